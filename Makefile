@@ -1,0 +1,33 @@
+# The README's two commands. Both create .venv when it is missing.
+#   make demo   a small real DPCC RL run on the CPU
+#   make test   the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+# CPU wheel on local disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_CPU := torch==2.13.0
+DEMO_OUT ?= runs/demo
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH_CPU)"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/dpcc-megatron --help
+
+# pytest exits 5 when no test ran; make turns any non-zero exit into failure.
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""CLI subcommands (the edge layer): argument parsing and wiring only."""

@@ -1,0 +1,74 @@
+"""One typed config tree for a DPCC job, loaded from YAML and validated at load.
+
+    cfg = load_config("examples/tiny_cpu.yaml", overrides=["optim.lr=1e-4"])
+
+Errors name the key: ``loss.dpcc.tau_min must be > 1, got 0.9``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .algo import LossConfig
+from .base import ConfigError, check, from_dict, to_dict, validate_tree, apply_override
+from .model import ModelConfig, ParallelConfig, PrecisionConfig
+from .monitor import MonitorConfig
+from .reward import RewardConfig
+from .train import CheckpointConfig, DataConfig, OptimizerConfig, RolloutConfig, TrainConfig
+
+
+@dataclass
+class JobConfig:
+    """Root of the config tree; each field is one YAML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP/PP/VPP layout; DP is the remainder of the world size."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Training precision and FP8."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and tokenizer."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss and the DPCC controller."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Dual-track reward."""
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Metrics sidecar and collapse detector."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The RL loop."""
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> JobConfig:
+    """Load YAML at ``path`` (or the defaults), apply ``key.path=value`` overrides, validate."""
+    import yaml
+
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return from_dict(JobConfig, data)
+
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "LossConfig", "ModelConfig",
+    "MonitorConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "RewardConfig",
+    "RolloutConfig", "TrainConfig", "check", "from_dict", "load_config", "to_dict", "validate_tree",
+]

@@ -1,0 +1,143 @@
+"""Model architecture, parallel layout and precision sections."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .base import check
+
+
+@dataclass
+class ModelConfig:
+    """GPT architecture, mapped one to one onto Megatron-Core's TransformerConfig."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None means 4*hidden_size (or the SwiGLU-adjusted size given by the checkpoint)."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for GQA; None means num_attention_heads (plain MHA)."""
+    kv_channels: Optional[int] = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+    vocab_size: int = 128
+    """Unpadded tokenizer vocabulary size; Megatron pads it (see make_vocab_size_divisible_by)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times TP, as Megatron does; padded rows never count."""
+    max_seq_len: int = 256
+    """Longest prompt+response length the model sees."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm type."""
+    norm_epsilon: float = 1e-5
+    """Norm epsilon (RMSNorm eps in HF configs)."""
+    swiglu: bool = True
+    """Gated SiLU MLP (Llama/Qwen/Mistral)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2)."""
+    add_bias_linear: bool = False
+    """Bias on every linear layer (GPT-2 style)."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary or learned positions."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    rope_scaling: Optional[dict] = None
+    """HF-style rope_scaling dict (llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Std of the random initialisation (when not loading a checkpoint)."""
+    attention_dropout: float = 0.0
+    """Attention dropout (0 for RL: ratios must be deterministic)."""
+    hidden_dropout: float = 0.0
+    """Hidden dropout (0 for RL)."""
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_seq_len"):
+            check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by",
+              f"must be > 0, got {self.make_vocab_size_divisible_by}")
+        if self.kv_channels is None:
+            check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                  f"must be divisible by num_attention_heads={self.num_attention_heads}, got {self.hidden_size}")
+        groups = self.num_query_groups or self.num_attention_heads
+        check(groups > 0 and self.num_attention_heads % groups == 0, "num_query_groups",
+              f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}")
+        check(self.norm_epsilon > 0, "norm_epsilon", f"must be > 0, got {self.norm_epsilon}")
+        check(0.0 <= self.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {self.attention_dropout}")
+        check(0.0 <= self.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {self.hidden_dropout}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Data parallelism is whatever the world size leaves over."""
+
+    tensor_model_parallel_size: int = 1
+    """TP degree (shards heads, MLP and vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree (splits layers into stages)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved-schedule chunks per PP rank (VPP); None disables interleaving."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across DP ranks (ZeRO-1)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto picks nccl with CUDA, gloo otherwise."""
+    distributed_timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def validate(self) -> None:
+        check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size",
+              f"must be >= 1, got {self.tensor_model_parallel_size}")
+        check(self.pipeline_model_parallel_size >= 1, "pipeline_model_parallel_size",
+              f"must be >= 1, got {self.pipeline_model_parallel_size}")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            check(self.virtual_pipeline_model_parallel_size >= 1, "virtual_pipeline_model_parallel_size",
+                  f"must be >= 1, got {self.virtual_pipeline_model_parallel_size}")
+        check(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
+              "needs tensor_model_parallel_size > 1")
+        check(self.distributed_timeout_minutes > 0, "distributed_timeout_minutes",
+              f"must be > 0, got {self.distributed_timeout_minutes}")
+
+
+@dataclass
+class PrecisionConfig:
+    """Training and rollout precision. Loss math (log-probs, ratios, KL) is always fp32."""
+
+    params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision; bf16/fp16 use Megatron's mixed-precision optimizer with fp32 main weights."""
+    transformer_engine: bool = False
+    """Use Transformer Engine layer specs (requires the `gpu` extra)."""
+    fp8: Optional[Literal["delayed", "current", "mxfp8"]] = None
+    """FP8 recipe (requires transformer_engine)."""
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    """FP8 format for delayed/current scaling."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: amax history length."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """Delayed scaling: how amax is taken from the history."""
+    initial_loss_scale: float = 65536.0
+    """FP16 dynamic loss scaling: starting scale."""
+    min_loss_scale: float = 1.0
+    """FP16 dynamic loss scaling: floor."""
+    loss_scale_window: int = 1000
+    """FP16: overflow-free steps before the scale grows."""
+
+    def validate(self) -> None:
+        check(self.fp8 is None or self.transformer_engine, "fp8",
+              "requires precision.transformer_engine: true (FP8 runs only through Transformer Engine)")
+        check(self.fp8 is None or self.params_dtype == "bf16", "fp8",
+              f"requires params_dtype bf16, got {self.params_dtype}")
+        check(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", f"must be >= 1, got {self.fp8_amax_history_len}")
+        check(self.initial_loss_scale > 0, "initial_loss_scale", f"must be > 0, got {self.initial_loss_scale}")
+        check(0 < self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale",
+              f"must be in (0, initial_loss_scale], got {self.min_loss_scale}")
+        check(self.loss_scale_window >= 1, "loss_scale_window", f"must be >= 1, got {self.loss_scale_window}")
+
+
+
+
+__all__ = ["ModelConfig", "ParallelConfig", "PrecisionConfig"]

@@ -1,0 +1,152 @@
+"""Data, rollout, optimizer, checkpoint and loop sections."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .base import check
+
+
+@dataclass
+class DataConfig:
+    """Prompt source and tokenizer."""
+
+    prompts: Optional[str] = None
+    """JSONL file, one object per line with `prompt` and task fields; None uses the built-in synthetic task."""
+    synthetic_task: Literal["addition", "sorting"] = "addition"
+    """Built-in verifiable task used when `prompts` is None."""
+    synthetic_digits: int = 2
+    """Operand size of the synthetic task (digits for addition, list length for sorting)."""
+    tokenizer: str = "char"
+    """`char` for the built-in character tokenizer, or a local HF tokenizer directory."""
+    max_prompt_len: int = 64
+    """Prompts longer than this (in tokens) are truncated from the left and counted."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded, so resume is exact)."""
+
+    def validate(self) -> None:
+        check(self.max_prompt_len > 0, "max_prompt_len", f"must be > 0, got {self.max_prompt_len}")
+        check(1 <= self.synthetic_digits <= 12, "synthetic_digits", f"must be in [1, 12], got {self.synthetic_digits}")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling with the policy model itself."""
+
+    group_size: int = 8
+    """G: samples per prompt (the GRPO group)."""
+    prompts_per_iteration: int = 8
+    """Prompts drawn each iteration; samples per iteration = prompts_per_iteration * group_size."""
+    max_new_tokens: int = 16
+    """Response length cap; generation also stops at EOS."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 disables)."""
+    top_k: int = 0
+    """Top-k filter (0 disables)."""
+    batch_size: int = 64
+    """Sequences generated together per forward (KV cache batch)."""
+
+    def validate(self) -> None:
+        check(self.group_size >= 2, "group_size", f"must be >= 2 (group-relative advantages), got {self.group_size}")
+        check(self.prompts_per_iteration >= 1, "prompts_per_iteration", f"must be >= 1, got {self.prompts_per_iteration}")
+        check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron optimizer and LR schedule (OptimizerParamScheduler)."""
+
+    name: Literal["adam", "sgd"] = "adam"
+    """Optimizer."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up, in optimizer steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+
+    def validate(self) -> None:
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr], got {self.min_lr}")
+        check(self.lr_warmup_iters >= 0, "lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
+        check(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
+        check(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
+        check(self.clip_grad >= 0, "clip_grad", f"must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (megatron.core.dist_checkpointing, torch_dist)."""
+
+    dir: Optional[str] = None
+    """Where to save and resume from; None disables checkpointing."""
+    load: Optional[str] = None
+    """Initial weights: a converted Megatron checkpoint dir (see `convert hf-to-mcore`); None is random init."""
+    save_interval: int = 0
+    """Save every N iterations (0: only at the end and on signals)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+    resume: Literal["auto", "never", "required"] = "auto"
+    """auto: resume when `dir` has a checkpoint; required: fail if none; never: fresh start."""
+
+    def validate(self) -> None:
+        check(self.save_interval >= 0, "save_interval", f"must be >= 0, got {self.save_interval}")
+        check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class TrainConfig:
+    """The RL loop."""
+
+    iterations: int = 10
+    """RL iterations (rollout + K inner epochs each)."""
+    inner_epochs: int = 1
+    """K: passes over each iteration's samples."""
+    mini_batch_size: int = 32
+    """Samples per optimizer step (across all DP ranks)."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one DP rank."""
+    seed: int = 1234
+    """Global seed (data order, sampling, init)."""
+    max_consecutive_skips: int = 5
+    """Stop (with a checkpoint) after this many consecutive non-finite steps."""
+    log_interval: int = 1
+    """Console/TensorBoard logging interval."""
+    output_dir: str = "runs/default"
+    """Logs, TensorBoard events, summary and report."""
+    warmup_sft_steps: int = 0
+    """Supervised warm-start steps on the synthetic task's gold answers before RL (demo)."""
+    warmup_sft_lr: float = 3e-3
+    """LR of the supervised warm-start."""
+
+    def validate(self) -> None:
+        check(self.iterations >= 0, "iterations", f"must be >= 0, got {self.iterations}")
+        check(self.inner_epochs >= 1, "inner_epochs", f"must be >= 1, got {self.inner_epochs}")
+        check(self.mini_batch_size >= 1, "mini_batch_size", f"must be >= 1, got {self.mini_batch_size}")
+        check(self.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        check(self.mini_batch_size % self.micro_batch_size == 0, "mini_batch_size",
+              f"must be a multiple of micro_batch_size={self.micro_batch_size}, got {self.mini_batch_size}")
+        check(self.max_consecutive_skips >= 1, "max_consecutive_skips", f"must be >= 1, got {self.max_consecutive_skips}")
+        check(self.log_interval >= 1, "log_interval", f"must be >= 1, got {self.log_interval}")
+        check(self.warmup_sft_steps >= 0, "warmup_sft_steps", f"must be >= 0, got {self.warmup_sft_steps}")
+        check(self.warmup_sft_lr > 0, "warmup_sft_lr", f"must be > 0, got {self.warmup_sft_lr}")
