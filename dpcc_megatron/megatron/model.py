@@ -1,0 +1,125 @@
+"""Build a Megatron-Core ``GPTModel`` from the typed config.
+
+The spec is Megatron's local spec (CPU, and GPUs without Transformer Engine) or
+the Transformer Engine spec when ``precision.transformer_engine`` is set.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig, ParallelConfig, PrecisionConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def ffn_hidden_size(model: ModelConfig) -> int:
+    return model.ffn_hidden_size or 4 * model.hidden_size
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                       precision: Optional[PrecisionConfig] = None):
+    """Map our config onto ``megatron.core.transformer.TransformerConfig``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    precision = precision or PrecisionConfig()
+    dtype = _DTYPES[precision.params_dtype]
+    cfg = TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=ffn_hidden_size(model),
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups or model.num_attention_heads,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision.params_dtype == "bf16",
+        fp16=precision.params_dtype == "fp16",
+        # Fusions need apex/TE kernels; the unfused paths are exact and portable.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        deallocate_pipeline_outputs=False,
+    )
+    # Set after construction: the constructor's MoE check rejects it for dense models,
+    # but the pipeline schedule needs it to exchange shapes when lengths vary per batch.
+    cfg.variable_seq_lengths = True
+    return cfg
+
+
+def layer_spec(model: ModelConfig, precision: PrecisionConfig):
+    if precision.transformer_engine:
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("precision.transformer_engine is set but Transformer Engine is not installed "
+                               "(pip install 'dpcc-megatron[gpu]')") from e
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization=model.normalization)
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Optional[PrecisionConfig] = None,
+                    *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    vp_stage: Optional[int] = None):
+    """One model chunk for this rank. Parallel state must be initialised."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    precision = precision or PrecisionConfig()
+    tp = parallel.tensor_model_parallel_size
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    rope = model.rope_scaling or {}
+    kwargs = {}
+    if rope:
+        if rope.get("rope_type", rope.get("type")) != "llama3":
+            raise ValueError(f"model.rope_scaling: only llama3 scaling is supported, got {rope}")
+        kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
+    gpt = GPTModel(
+        config=transformer_config(model, parallel, precision),
+        transformer_layer_spec=layer_spec(model, precision),
+        vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp),
+        max_sequence_length=model.max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=int(model.rotary_base),
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

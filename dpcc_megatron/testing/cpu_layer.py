@@ -1,0 +1,110 @@
+"""Let Megatron-Core 0.16-0.19 run on CPU under gloo (tests, CPU demo, CPU benchmarks only).
+
+Megatron-Core assumes CUDA in a handful of places that are not about compute.
+This layer redirects exactly these, and nothing else:
+
+1. ``torch.cuda.current_device()`` returns the CPU device; ``torch.cuda.synchronize``
+   is a no-op (the schedules and p2p code allocate on "the current device").
+2. CUDA RNG state: ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` /
+   ``_set_cuda_rng_state`` and ``torch.cuda.get_rng_state`` / ``set_rng_state`` /
+   ``manual_seed`` use the CPU generator (Megatron's RNG tracker forks these).
+3. Tensor factories called with ``device="cuda"`` are sent to the CPU by a
+   ``TorchFunctionMode`` that rewrites the ``device`` keyword (schedules.py's
+   ``torch.zeros(..., device="cuda")``, the p2p shape exchange).
+4. ``Tensor.type()`` with no argument reports ``torch.cuda.FloatTensor`` and the like
+   for CPU tensors: Megatron's optimizers check these strings.
+5. ``Tensor.cuda()`` / ``Module.cuda()`` return self.
+
+It is switched on explicitly with :func:`enable_cpu_megatron` and refuses to run
+when CUDA is available, so it can never leak into a GPU job.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+_MODE: TorchFunctionMode | None = None
+
+
+def _cpu_if_cuda(device):
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, int):  # a bare CUDA ordinal
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites ``device=`` on any torch call from CUDA to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and isinstance(args[1], (str, torch.device)):
+            args = (args[0], _cpu_if_cuda(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def cpu_megatron_enabled() -> bool:
+    return _ENABLED
+
+
+def enable_cpu_megatron() -> None:
+    """Install the redirects (idempotent). Raises if a CUDA device is present."""
+    global _ENABLED, _MODE
+    if _ENABLED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU execution layer must not run where CUDA is available")
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_state(device=None, clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = _set_state
+
+    original_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return _TYPE_NAMES.get(self.dtype, original_type(self))
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = _type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _ENABLED = True

@@ -1,0 +1,125 @@
+"""Run a function on N torch.distributed ranks (gloo, CPU), each in its own process.
+
+    results = run_multirank(my_fn, world_size=2, args=(cfg,), timeout=120)
+
+``my_fn(rank, world_size, *args)`` must be importable (module level). Each rank
+initialises gloo, switches on the CPU execution layer and calls it; return values
+come back through files (no pipe deadlocks on large results). A rank that raises
+makes the whole call raise :class:`RankFailure` with that rank's traceback; a rank
+that is still running at the deadline is killed, so a hung collective can never
+hang CI.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed or timed out; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from .cpu_layer import enable_cpu_megatron
+
+        torch.set_num_threads(1)  # N ranks share few cores; oversubscription slows gloo badly
+        enable_cpu_megatron()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            except Exception:
+                pass
+            dist.destroy_process_group()
+        payload = ("ok", result)
+    except BaseException:  # report everything, including SystemExit from the test body
+        payload = ("error", traceback.format_exc())
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(tmp, out)
+    if payload[0] == "error":
+        out.with_suffix(".err").touch()  # cheap marker the parent polls for
+
+
+def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
+                  timeout: float = 180.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dpcc-ranks-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, daemon=False, name=f"rank{r}",
+                             args=(fn, r, world_size, port, tuple(args), out_dir, dict(env or {}), timeout))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        first_failure_at = None
+        try:
+            while any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                failed = any(p.exitcode not in (None, 0) for p in procs) or any(
+                    _is_error(Path(out_dir) / f"rank{r}.pkl") for r in range(world_size))
+                if failed and first_failure_at is None:
+                    first_failure_at = now
+                # Once one rank fails, its peers will block in a collective: give them a moment, then stop.
+                if now > deadline or (first_failure_at is not None and now - first_failure_at > 10):
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(5)
+
+        results, errors = [], []
+        for r, p in enumerate(procs):
+            path = Path(out_dir) / f"rank{r}.pkl"
+            if not path.exists():
+                why = "timed out" if time.monotonic() > deadline else f"exited with code {p.exitcode}"
+                errors.append(f"--- rank {r}: {why} without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"--- rank {r} raised:\n{value}")
+                results.append(None)
+            else:
+                results.append(value)
+        if errors:
+            raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(errors))
+        return results
+
+
+def _is_error(path: Path) -> bool:
+    return path.with_suffix(".err").exists()
