@@ -1,9 +1,128 @@
-"""algo section of the config tree (extended by the algo layer)."""
+"""loss section of the config tree: the policy loss, the DPCC controller, KL and advantages.
+
+    loss:
+      name: dpcc                 # grpo | dapo | dr_grpo | gspo | cispo | dpcc
+      ref_kl_coef: 0.0           # > 0 adds coef * KL(pi_theta || pi_ref) to the loss
+      advantage: grpo            # grpo (mean/std in the group) | dr_grpo (mean only)
+      dpcc:
+        tau0: 2.0
+        alpha: 5.0
+        tau_min: 1.1
+        early_phase_fraction: 0.2
+        drift_threshold: 0.02
+
+The formulas behind every field are in ``docs/algorithm.md``. This module
+imports nothing but the config machinery, so loading a config never imports torch.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .base import check
+
+#: Built-in policy losses of ``dpcc_megatron.algo`` (the registry is checked against this list in tests).
+POLICY_LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc")
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class DPCCConfig:
+    """Dynamic policy calibration: adaptive ratio threshold tau_t, early phase and drift-aware LR."""
+
+    tau0: float = 2.0
+    """Largest ratio threshold (the conventional hard threshold); tau_t = tau0 * (1 - alpha * D) clamped to [tau_min, tau0]."""
+    alpha: float = 5.0
+    """Sensitivity of tau_t to the smoothed KL D; 0 keeps tau_t = tau0 after the early phase."""
+    tau_min: float = 1.1
+    """Smallest threshold; must be > 1 so the trust region [1/tau, tau] never collapses."""
+    kl_estimator: KLEstimator = "k3"
+    """Estimator of the measured KL(pi_old || pi_new) token mean that drives tau_t and the drift score."""
+    kl_ema_decay: float = 0.9
+    """EMA smoothing D <- decay * D + (1 - decay) * kl; the first observation initialises D; 0 disables smoothing."""
+    total_steps: Optional[int] = None
+    """Optimizer steps of the whole run for the early-phase schedule; None: the trainer derives it from `train`."""
+    early_phase_fraction: float = 0.2
+    """Share of total_steps during which tau_t is capped at early_tau; 0 disables the early phase."""
+    early_relax_fraction: float = 0.1
+    """Share of total_steps after the early phase over which the cap rises linearly from early_tau to tau0 (0: a step)."""
+    early_tau: float = 1.2
+    """Conservative threshold cap of the early phase, in [tau_min, tau0]."""
+    tau: Optional[float] = None
+    """Threshold used by the `dpcc` loss; set every step by DPCCController.loss_config(); None means tau0."""
+    drift_lr: bool = True
+    """Scale the next step's LR by min(1, 0.5 / (d - theta + 1)) when the drift score d exceeds theta."""
+    drift_threshold: float = 0.02
+    """theta, in the units of the drift score (KL nats per token)."""
+    drift_score: Literal["kl", "kl_ema"] = "kl"
+    """d: `kl` is the KL measured after the step just taken (reacts at once); `kl_ema` is the smoothed D (steadier)."""
+    drift_hysteresis_steps: int = 0
+    """After a trigger, keep the reduced factor for this many further steps unless a new trigger replaces it."""
+
+    def validate(self) -> None:
+        check(self.tau0 > 1, "tau0", f"must be > 1, got {self.tau0}")
+        check(self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}")
+        check(self.tau_min > 1, "tau_min", f"must be > 1, got {self.tau_min}")
+        check(self.tau_min <= self.tau0, "tau_min", f"must be <= tau0={self.tau0}, got {self.tau_min}")
+        check(0 <= self.kl_ema_decay < 1, "kl_ema_decay", f"must be in [0, 1), got {self.kl_ema_decay}")
+        check(self.total_steps is None or self.total_steps >= 1, "total_steps",
+              f"must be >= 1 or null, got {self.total_steps}")
+        check(0 <= self.early_phase_fraction <= 1, "early_phase_fraction",
+              f"must be in [0, 1], got {self.early_phase_fraction}")
+        check(0 <= self.early_relax_fraction <= 1, "early_relax_fraction",
+              f"must be in [0, 1], got {self.early_relax_fraction}")
+        check(self.tau_min <= self.early_tau <= self.tau0, "early_tau",
+              f"must be in [tau_min={self.tau_min}, tau0={self.tau0}], got {self.early_tau}")
+        check(self.tau is None or self.tau > 1, "tau", f"must be > 1 or null, got {self.tau}")
+        check(self.drift_threshold >= 0, "drift_threshold", f"must be >= 0, got {self.drift_threshold}")
+        check(self.drift_hysteresis_steps >= 0, "drift_hysteresis_steps",
+              f"must be >= 0, got {self.drift_hysteresis_steps}")
 
 
 @dataclass
 class LossConfig:
-    """Settings of the algo layer."""
+    """Policy loss (one of the registered losses), reference-KL penalty and group advantages."""
+
+    name: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc"] = "dpcc"
+    """Registered policy loss."""
+    clip_eps: float = 0.2
+    """grpo, dr_grpo: symmetric PPO clip, ratio kept in [1 - eps, 1 + eps]."""
+    clip_eps_low: float = 0.2
+    """dapo: lower clip, ratio >= 1 - eps_low."""
+    clip_eps_high: float = 0.28
+    """dapo: clip-higher, ratio <= 1 + eps_high."""
+    dual_clip_c: Optional[float] = None
+    """grpo, dapo, dr_grpo: dual-clip bound c > 1 for A < 0 (loss <= -c * A); None disables it."""
+    gspo_eps_low: float = 3e-4
+    """gspo: sequence ratio kept >= 1 - eps_low."""
+    gspo_eps_high: float = 4e-4
+    """gspo: sequence ratio kept <= 1 + eps_high."""
+    cispo_eps_high: float = 0.28
+    """cispo: importance weight truncated at 1 + eps_high (no lower bound)."""
+    log_ratio_clamp: float = 20.0
+    """|log pi_theta - log pi_old| is clamped to this before exp, so no ratio is inf."""
+    ref_kl_coef: float = 0.0
+    """Coefficient of the reference-policy penalty KL(pi_theta || pi_ref); 0 disables it."""
+    kl_estimator: KLEstimator = "k3"
+    """Estimator of the reference-policy penalty."""
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    """Group-relative advantage: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean."""
+    advantage_eps: float = 1e-6
+    """eps of the GRPO std normalisation."""
+    advantage_per_component: bool = False
+    """Multi-part rewards: normalise each reward component within its group before the weighted sum."""
+    dpcc: DPCCConfig = field(default_factory=DPCCConfig)
+    """DPCC threshold schedule and drift-aware LR."""
+
+    def validate(self) -> None:
+        check(0 < self.clip_eps < 1, "clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        check(0 < self.clip_eps_low < 1, "clip_eps_low", f"must be in (0, 1), got {self.clip_eps_low}")
+        check(self.clip_eps_high > 0, "clip_eps_high", f"must be > 0, got {self.clip_eps_high}")
+        check(self.dual_clip_c is None or self.dual_clip_c > 1, "dual_clip_c",
+              f"must be > 1 or null, got {self.dual_clip_c}")
+        check(0 < self.gspo_eps_low < 1, "gspo_eps_low", f"must be in (0, 1), got {self.gspo_eps_low}")
+        check(self.gspo_eps_high > 0, "gspo_eps_high", f"must be > 0, got {self.gspo_eps_high}")
+        check(self.cispo_eps_high > 0, "cispo_eps_high", f"must be > 0, got {self.cispo_eps_high}")
+        check(0 < self.log_ratio_clamp <= 80, "log_ratio_clamp", f"must be in (0, 80], got {self.log_ratio_clamp}")
+        check(self.ref_kl_coef >= 0, "ref_kl_coef", f"must be >= 0, got {self.ref_kl_coef}")
+        check(self.advantage_eps > 0, "advantage_eps", f"must be > 0, got {self.advantage_eps}")
