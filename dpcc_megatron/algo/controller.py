@@ -1,0 +1,152 @@
+"""DPCCController: the per-run state behind tau_t and the drift-aware LR factor.
+
+Protocol, once per optimizer step:
+
+    ctl = DPCCController(cfg.loss.dpcc, total_steps)
+    for each optimizer step:
+        loss_cfg = ctl.loss_config(cfg.loss)          # carries tau_t for the dpcc loss
+        lr = scheduled_lr * ctl.lr_factor             # this step only; the schedule is untouched
+        ... forward/backward/optimizer step with loss_cfg and lr ...
+        ctl.observe(kl)   # KL(pi_old || pi_new) measured on the batch just used, after the step
+
+``observe`` advances the step and fixes tau and the LR factor of the NEXT step.
+``state_dict()`` is plain JSON-able Python, so a resumed run decides identically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from dpcc_megatron.config.algo import DPCCConfig, LossConfig
+
+from .schedule import adaptive_threshold, drift_lr_factor, early_phase_cap
+
+_STATE_VERSION = 1
+_COUNTERS = ("observations", "nonfinite_kl", "drift_triggers", "lr_reduced_steps", "tau_floor_steps")
+
+
+class DPCCController:
+    """Smoothed KL -> tau_t (with the early-phase cap) and drift score -> LR factor."""
+
+    def __init__(self, config: DPCCConfig, total_steps: Optional[int] = None):
+        """``config.total_steps`` wins over ``total_steps`` when set; one is needed for an early phase."""
+        self.config = config
+        self.total_steps = config.total_steps if config.total_steps is not None else total_steps
+        has_early = config.early_phase_fraction > 0 or config.early_relax_fraction > 0
+        if has_early and (self.total_steps is None or self.total_steps < 1):
+            raise ValueError("DPCCController needs total_steps >= 1 for the early phase "
+                             "(set loss.dpcc.total_steps or pass total_steps)")
+        self.step = 0
+        """Optimizer steps observed so far = index of the next step."""
+        self.kl_ema: Optional[float] = None
+        self.last_kl: Optional[float] = None
+        self.drift: Optional[float] = None
+        self._lr_factor = 1.0
+        self._hold = 0
+        self.counters = {name: 0 for name in _COUNTERS}
+
+    # -- decisions for the next step ------------------------------------------------
+    @property
+    def tau_adaptive(self) -> float:
+        """tau0 * (1 - alpha * D) clamped to [tau_min, tau0]; D = 0 before any observation."""
+        c = self.config
+        return adaptive_threshold(c.tau0, c.alpha, self.kl_ema if self.kl_ema is not None else 0.0, c.tau_min)
+
+    @property
+    def tau_cap(self) -> float:
+        """Early-phase cap of the next step (tau0 when the early phase is over or off)."""
+        c = self.config
+        if self.total_steps is None:
+            return c.tau0
+        return early_phase_cap(self.step, self.total_steps, c.tau0, c.early_tau,
+                               c.early_phase_fraction, c.early_relax_fraction)
+
+    @property
+    def tau(self) -> float:
+        """tau_t of the next step: min(adaptive threshold, early-phase cap)."""
+        return min(self.tau_adaptive, self.tau_cap)
+
+    @property
+    def lr_factor(self) -> float:
+        """Multiplier of the next step's scheduled LR (1 when drift-aware LR is off)."""
+        return self._lr_factor if self.config.drift_lr else 1.0
+
+    def loss_config(self, base: LossConfig) -> LossConfig:
+        """Copy of ``base`` whose ``dpcc.tau`` is the current tau_t."""
+        return dataclasses.replace(base, dpcc=dataclasses.replace(base.dpcc, tau=self.tau))
+
+    # -- update ---------------------------------------------------------------------
+    def observe(self, kl: float) -> None:
+        """Record KL(pi_old || pi_new) of the step just taken and advance to the next step.
+
+        A non-finite ``kl`` is counted and otherwise ignored: the step advances and the
+        KL average, drift score and LR factor keep their previous values.
+        """
+        c = self.config
+        kl = float(kl)
+        self.step += 1
+        if not math.isfinite(kl):
+            self.counters["nonfinite_kl"] += 1
+            return
+        self.counters["observations"] += 1
+        self.last_kl = kl
+        self.kl_ema = kl if self.kl_ema is None else c.kl_ema_decay * self.kl_ema + (1.0 - c.kl_ema_decay) * kl
+        self.drift = kl if c.drift_score == "kl" else self.kl_ema
+        if self.drift > c.drift_threshold:
+            self.counters["drift_triggers"] += 1
+            self._lr_factor = drift_lr_factor(self.drift, c.drift_threshold)
+            self._hold = c.drift_hysteresis_steps
+        elif self._hold > 0:
+            self._hold -= 1  # hysteresis: keep the last reduced factor a little longer
+        else:
+            self._lr_factor = 1.0
+        if self.lr_factor < 1.0:
+            self.counters["lr_reduced_steps"] += 1
+        if self.tau_adaptive <= c.tau_min:
+            self.counters["tau_floor_steps"] += 1
+
+    # -- reporting and checkpointing -------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Scalars for logging (prefix ``dpcc/``); NaN where nothing was observed yet."""
+        nan = float("nan")
+        out = {
+            "dpcc/tau": self.tau,
+            "dpcc/tau_adaptive": self.tau_adaptive,
+            "dpcc/tau_cap": self.tau_cap,
+            "dpcc/kl_ema": self.kl_ema if self.kl_ema is not None else nan,
+            "dpcc/kl": self.last_kl if self.last_kl is not None else nan,
+            "dpcc/drift": self.drift if self.drift is not None else nan,
+            "dpcc/lr_factor": self.lr_factor,
+            "dpcc/step": float(self.step),
+        }
+        out.update({f"dpcc/{k}": float(v) for k, v in self.counters.items()})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that decides the future: plain ints, floats and None."""
+        return {
+            "version": _STATE_VERSION,
+            "step": self.step,
+            "kl_ema": self.kl_ema,
+            "last_kl": self.last_kl,
+            "drift": self.drift,
+            "lr_factor": self._lr_factor,
+            "hold": self._hold,
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output (the config and total_steps come from the constructor)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"DPCCController state version {state.get('version')!r} is not {_STATE_VERSION}")
+        missing = {"step", "kl_ema", "last_kl", "drift", "lr_factor", "hold", "counters"} - set(state)
+        if missing:
+            raise ValueError(f"DPCCController state lacks {sorted(missing)}")
+        self.step = int(state["step"])
+        self.kl_ema = None if state["kl_ema"] is None else float(state["kl_ema"])
+        self.last_kl = None if state["last_kl"] is None else float(state["last_kl"])
+        self.drift = None if state["drift"] is None else float(state["drift"])
+        self._lr_factor = float(state["lr_factor"])
+        self._hold = int(state["hold"])
+        self.counters = {name: int(state["counters"].get(name, 0)) for name in _COUNTERS}
