@@ -1,0 +1,240 @@
+"""The dual-track reward the trainer calls: base (rules) + advanced (contrastive), combined.
+
+    reward = DualTrackReward(cfg.reward)            # RewardConfig
+    result = reward.score(samples)                  # list[Sample] -> RewardResult
+    rewards = result.total                          # float32 tensor [n]
+    reward.push_buffer(samples, result)             # after the update: these become "older policy"
+    state = reward.state_dict()                     # weights, buffer, counters: exact resume
+    reward.close()                                  # stops the sandbox pool
+
+Per-component advantage normalisation: use ``result.components()`` (raw base
+and advanced, each in [0, 1]), ``result.group_index`` and ``result.weights``
+instead of ``result.total``.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..config.reward import RewardConfig
+from .base_layer import BaseLayer
+from .combine import DynamicWeights, normalize_track
+from .contrastive import OlderPolicyBuffer, advanced_scores, group_index
+from .judges import Judge, build_judge
+from .jsonl import read_eval_set
+from .reliability import (concordance, mean_pairwise_gap, noise_ratio, pearson, within_group_variance,
+                          zero_variance_fraction)
+from .sample import Sample
+
+_STATE_VERSION = 1
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch, in the order of the samples passed to ``score``."""
+
+    base: torch.Tensor
+    """Base (rule) track, float32 [n] in [0, 1]."""
+    advanced: torch.Tensor
+    """Advanced (contrastive) track, float32 [n] in [0, 1]."""
+    total: torch.Tensor
+    """weights['base'] * norm(base) + weights['advanced'] * norm(advanced); in [0, 1] unless normalised."""
+    group_index: torch.Tensor
+    """int64 [n]: contiguous group ids, in order of first appearance of each group key."""
+    checker_scores: dict[str, list[Optional[float]]]
+    """Checker key -> per-sample score (penalty checkers: the penalty); None where not run/applicable."""
+    weights: dict[str, float]
+    """Track weights used for ``total``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Reliability and health metrics (``reward/...``), all plain floats."""
+    messages: list[str] = field(default_factory=list)
+    """First few checker/judge error messages of this batch."""
+
+    def components(self) -> dict[str, torch.Tensor]:
+        """Raw per-track rewards, for normalising each track separately in the algo layer."""
+        return {"base": self.base, "advanced": self.advanced}
+
+    def records(self) -> list[dict]:
+        """Per-sample plain dicts: base, advanced, total and the applicable checker scores."""
+        out = []
+        for i in range(len(self.base)):
+            checkers = {k: v[i] for k, v in self.checker_scores.items() if v[i] is not None}
+            out.append({"base": float(self.base[i]), "advanced": float(self.advanced[i]),
+                        "total": float(self.total[i]), "checkers": checkers})
+        return out
+
+
+class DualTrackReward:
+    """Stateful reward model: checker registry + judge + older-policy buffer + dynamic weights."""
+
+    def __init__(self, cfg: Optional[RewardConfig] = None, judge: Optional[Judge] = None):
+        self.cfg = cfg or RewardConfig()
+        self.base_layer = BaseLayer(self.cfg)
+        self.judge = judge if judge is not None else build_judge(self.cfg)
+        self.buffer = OlderPolicyBuffer(self.cfg.buffer_size, self.cfg.buffer_per_prompt)
+        self.dynamic = DynamicWeights(self.cfg)
+        self.eval_set = read_eval_set(self.cfg.eval_set) if self.cfg.eval_set else None
+        self.step = 0
+        self.totals = {"checker_errors": 0, "checker_timeouts": 0, "judge_errors": 0}
+        self._label: Optional[dict[str, Optional[float]]] = None
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    def _advanced(self, samples: Sequence[Sample], base: Sequence[float], messages: list[str],
+                  use_buffer: bool = True) -> tuple[torch.Tensor, int]:
+        """Advanced track; a failing judge scores the batch 0 (counted) instead of raising."""
+        try:
+            adv = advanced_scores(samples, base, self.judge, self.buffer if use_buffer else None,
+                                  self.cfg.buffer_weight, self.cfg.judge.temperature)
+            return adv, 0
+        except Exception as e:
+            if len(messages) < 20:
+                messages.append(f"judge failed: {type(e).__name__}: {e}"[:500])
+            return torch.zeros(len(samples), dtype=torch.float64), 1
+
+    def _combine(self, base: torch.Tensor, adv: torch.Tensor, gidx: torch.Tensor,
+                 weights: dict[str, float]) -> torch.Tensor:
+        mode = self.cfg.normalize
+        return (weights["base"] * normalize_track(base, gidx, mode)
+                + weights["advanced"] * normalize_track(adv, gidx, mode))
+
+    def score(self, samples: Sequence[Sample], *, update: bool = True) -> RewardResult:
+        """Score a batch. ``update=False`` leaves all state (weights, step, counters) untouched."""
+        t0 = time.perf_counter()
+        samples = list(samples)
+        bs = self.base_layer.score(samples)
+        base = torch.tensor(bs.base, dtype=torch.float64)
+        messages = list(bs.messages)
+        adv, judge_errors = self._advanced(samples, bs.base, messages)
+        gidx, _ = group_index(samples)
+
+        agreement = pearson(base, adv) if len(samples) > 1 else None
+        label = self._label
+        if self.eval_set is not None and (self._label is None or self.step % self.cfg.dynamic.eval_interval == 0):
+            label = self._label_agreement()
+        noise: dict[str, Optional[float]] = {}
+        if update:
+            if self.cfg.dynamic.enabled:
+                noise = self._noise(samples, base, adv, gidx)
+            self.dynamic.update(noise, agreement, label)
+            self._label = label
+            self.step += 1
+            self.totals["checker_errors"] += bs.errors
+            self.totals["checker_timeouts"] += bs.timeouts
+            self.totals["judge_errors"] += judge_errors
+        weights = self.dynamic.weights
+        total = self._combine(base, adv, gidx, weights)
+
+        metrics = {
+            "reward/base_mean": float(base.mean()) if len(samples) else 0.0,
+            "reward/advanced_mean": float(adv.mean()) if len(samples) else 0.0,
+            "reward/total_mean": float(total.mean()) if len(samples) else 0.0,
+            "reward/var_batch": float(total.var(unbiased=False)) if len(samples) else 0.0,
+            "reward/var_within_group": within_group_variance(total, gidx),
+            "reward/base_var_within_group": within_group_variance(base, gidx),
+            "reward/advanced_var_within_group": within_group_variance(adv, gidx),
+            "reward/zero_var_group_frac": zero_variance_fraction(total, gidx),
+            "reward/base_zero_var_group_frac": zero_variance_fraction(base, gidx),
+            "reward/weight_base": weights["base"],
+            "reward/weight_advanced": weights["advanced"],
+            "reward/checker_errors": float(bs.errors),
+            "reward/checker_timeouts": float(bs.timeouts),
+            "reward/judge_errors": float(judge_errors),
+            "reward/checker_errors_total": float(self.totals["checker_errors"]),
+            "reward/checker_timeouts_total": float(self.totals["checker_timeouts"]),
+            "reward/judge_errors_total": float(self.totals["judge_errors"]),
+            "reward/unknown_task": float(bs.unknown_task),
+            "reward/no_checker": float(bs.no_checker),
+            "reward/buffer_size": float(len(self.buffer)),
+        }
+        if agreement is not None:
+            metrics["reward/inter_track_agreement"] = agreement
+        for track in ("base", "advanced"):
+            if noise.get(track) is not None:
+                metrics[f"reward/noise_{track}"] = noise[track]
+        for track, value in (label or {}).items():
+            if value is not None:
+                metrics[f"reward/label_agreement_{track}"] = value
+        for key, values in bs.checker_scores.items():
+            applied = [v for v in values if v is not None]
+            if applied:
+                metrics[f"reward/checker/{key}"] = sum(applied) / len(applied)
+        metrics["reward/score_seconds"] = time.perf_counter() - t0
+        return RewardResult(base=base.float(), advanced=adv.float(), total=total.float(), group_index=gidx,
+                            checker_scores=bs.checker_scores, weights=weights, metrics=metrics,
+                            messages=messages)
+
+    # -- reliability -----------------------------------------------------------------------------------
+    def _noise(self, samples: list[Sample], base: torch.Tensor, adv: torch.Tensor,
+               gidx: torch.Tensor) -> dict[str, Optional[float]]:
+        """Per-track test-retest noise: re-score a few probe samples, and compare duplicate responses."""
+        pairs: list[tuple[int, int]] = []
+        first_seen: dict[tuple, int] = {}
+        for i, s in enumerate(samples):  # identical responses in one group must get identical scores
+            key = (int(gidx[i]), s.prompt, s.response)
+            if key in first_seen:
+                pairs.append((first_seen[key], i))
+            else:
+                first_seen[key] = i
+        k = min(self.cfg.dynamic.probe_size, len(samples))
+        probe = sorted(random.Random(self.step).sample(range(len(samples)), k))  # seeded by step: exact resume
+        out: dict[str, Optional[float]] = {}
+        a, b = [p for p, _ in pairs], [q for _, q in pairs]
+        if probe:
+            base2 = torch.tensor(self.base_layer.score([samples[i] for i in probe]).base, dtype=torch.float64)
+            groups = {int(gidx[i]) for i in probe}
+            members = [i for i in range(len(samples)) if int(gidx[i]) in groups]
+            adv_sub, _ = self._advanced([samples[i] for i in members], [float(base[i]) for i in members], [])
+            adv2 = adv_sub[[members.index(i) for i in probe]]
+        else:
+            base2 = adv2 = torch.zeros(0, dtype=torch.float64)
+        for track, x, retest in (("base", base, base2), ("advanced", adv, adv2)):
+            first = torch.cat([x[probe], x[a]]) if probe or a else torch.zeros(0, dtype=torch.float64)
+            second = torch.cat([retest, x[b]]) if probe or a else torch.zeros(0, dtype=torch.float64)
+            out[track] = noise_ratio(first, second, mean_pairwise_gap(x))
+        return out
+
+    def _label_agreement(self) -> dict[str, Optional[float]]:
+        """Concordance of each track (and the total) with the eval set's human labels."""
+        samples, labels = self.eval_set
+        bs = self.base_layer.score(samples)
+        base = torch.tensor(bs.base, dtype=torch.float64)
+        adv, _ = self._advanced(samples, bs.base, [], use_buffer=False)
+        gidx, _ = group_index(samples)
+        lab = torch.tensor(labels, dtype=torch.float64)
+        total = self._combine(base, adv, gidx, self.dynamic.weights)
+        return {"base": concordance(base, lab, gidx), "advanced": concordance(adv, lab, gidx),
+                "total": concordance(total, lab, gidx)}
+
+    # -- state -----------------------------------------------------------------------------------------
+    def push_buffer(self, samples: Sequence[Sample], result: Union[RewardResult, Sequence[float]]) -> None:
+        """Keep these samples (with their base scores) as older-policy opponents for later batches."""
+        base = result.base.tolist() if isinstance(result, RewardResult) else [float(b) for b in result]
+        if len(base) != len(samples):
+            raise ValueError(f"push_buffer: {len(samples)} samples but {len(base)} base scores")
+        self.buffer.push(samples, base)
+
+    def state_dict(self) -> dict:
+        return {"version": _STATE_VERSION, "step": self.step, "weights": self.dynamic.state_dict(),
+                "buffer": self.buffer.state_dict(), "totals": dict(self.totals), "label": self._label}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"reward state version {state.get('version')!r} is not {_STATE_VERSION}")
+        self.step = int(state["step"])
+        self.dynamic.load_state_dict(state["weights"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.totals = dict(state["totals"])
+        self._label = None if state["label"] is None else dict(state["label"])
+
+    def close(self) -> None:
+        self.base_layer.close()
+
+    def __enter__(self) -> "DualTrackReward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
