@@ -1,9 +1,193 @@
-"""monitor section of the config tree (extended by the monitor layer)."""
+"""monitor section of the config tree: metrics sidecar, trainer-side client,
+collapse detector, alert sinks and the control channel.
+
+Relative paths (``db_path``, ``spool_path``, ``alerts_jsonl``, ``tensorboard_dir``)
+are resolved against ``train.output_dir`` by
+:func:`dpcc_megatron.monitor.launcher.resolve_paths`.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
+
+from .base import check
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(host, port)``; ``[::1]:80`` style IPv6 is accepted."""
+    if not isinstance(value, str) or ":" not in value:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host, _, port_s = value.rpartition(":")
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"expected HOST:PORT with a host, got {value!r}")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"port of {value!r} is not an integer") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port of {value!r} must be in [0, 65535]")
+    return host, port
 
 
 @dataclass
 class MonitorConfig:
-    """Settings of the monitor layer."""
+    """Metrics sidecar, trainer-side client and collapse detector."""
+
+    # --- process, transport, storage -------------------------------------------------
+    enabled: bool = True
+    """Send metric records to the sidecar (the trainer never waits on it)."""
+    listen: str = "127.0.0.1:0"
+    """Sidecar bind address HOST:PORT; port 0 picks a free port. Loopback by default."""
+    address: Optional[str] = None
+    """HOST:PORT the trainer's client connects to; None uses the sidecar the launcher started."""
+    token: Optional[str] = None
+    """Shared auth token; None reads env DPCC_MONITOR_TOKEN (the launcher generates one when unset)."""
+    run_id: Optional[str] = None
+    """Run identity in the sidecar's database; None derives it from train.output_dir."""
+    db_path: str = "monitor/monitor.sqlite"
+    """SQLite database of every record, alert and control advice."""
+    spool_path: Optional[str] = None
+    """Client-side JSONL spool used while the sidecar is down; None: monitor/spool-<run_id>.jsonl."""
+    tensorboard_dir: Optional[str] = "monitor/tb"
+    """TensorBoard event directory written by the sidecar; None disables."""
+    queue_size: int = 4096
+    """Bounded client queue (records); when full, records are dropped and counted."""
+    max_message_bytes: int = 1 << 20
+    """Largest accepted HTTP body; larger messages are rejected (413) and counted."""
+    batch_max_records: int = 256
+    """Records per ingest request."""
+    flush_interval_s: float = 0.05
+    """Client background thread wakes at least this often to ship queued records."""
+    control_poll_interval_s: float = 1.0
+    """Client polls the control channel at least this often (in the background)."""
+    request_timeout_s: float = 2.0
+    """Client-side HTTP timeout; a slow sidecar makes the client spool, never the trainer wait."""
+    retry_max_backoff_s: float = 2.0
+    """Cap of the client's exponential reconnect backoff while the sidecar is down."""
+    spool_max_bytes: int = 256 << 20
+    """Spool file cap; records beyond it are dropped and counted."""
+
+    # --- collapse detector --------------------------------------------------------------
+    entropy_band: Optional[tuple[float, float]] = None
+    """Normal token-entropy band [low, high] in nats, e.g. [3.5, 5.0]; None calibrates it."""
+    entropy_calibration_steps: int = 20
+    """K: healthy steps used to calibrate the band when `entropy_band` is None."""
+    entropy_band_sigmas: float = 4.0
+    """Calibrated band half-width in standard deviations of the K healthy steps..."""
+    entropy_band_min_halfwidth: float = 0.15
+    """...but at least this fraction of their mean entropy."""
+    entropy_jump: float = 0.5
+    """high_entropy also fires when entropy rises by this fraction of the band centre..."""
+    entropy_jump_window: int = 3
+    """...within this many steps."""
+    low_entropy_patience: int = 3
+    """Consecutive steps below the band before low_entropy fires on entropy alone."""
+    repetition_threshold: float = 0.5
+    """low_entropy fires when repetition_rate (repeated 3/4-gram share) is at or above this."""
+    longest_repeat_threshold: int = 0
+    """low_entropy also fires when longest_repeat (tokens) reaches this; 0 disables."""
+    kl_threshold: float = 0.8
+    """kl_drift fires when kl_old_new exceeds this..."""
+    kl_window: int = 3
+    """...for this many consecutive batches."""
+    kl_ref_threshold: Optional[float] = None
+    """kl_drift on KL to the reference, same window; None disables."""
+    mismatch_kl_threshold: Optional[float] = None
+    """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
+    grad_spike_factor: float = 5.0
+    """grad_spike fires when grad_norm exceeds this multiple of the recent median..."""
+    grad_spike_window: int = 20
+    """...of this many previous steps..."""
+    grad_spike_min_history: int = 5
+    """...once at least this many are known."""
+    reward_std_min: float = 1e-3
+    """reward_collapse: reward_std below this counts as a collapsed step..."""
+    zero_var_frac_max: float = 0.95
+    """...as does a zero-variance group fraction at or above this..."""
+    reward_collapse_patience: int = 5
+    """...for this many consecutive steps."""
+    collapse_confirm_steps: int = 3
+    """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
+    alert_cooldown: int = 10
+    """A rule that stays triggered re-alerts only after this many iterations."""
+
+    # --- alert sinks ----------------------------------------------------------------------
+    alerts_jsonl: Optional[str] = "monitor/alerts.jsonl"
+    """Alerts appended here as JSON lines; None disables (alerts always go to the log)."""
+    webhook_url: Optional[str] = None
+    """HTTP(S) URL that receives each alert as a JSON POST; failures are counted, never block."""
+    webhook_timeout_s: float = 2.0
+    """Timeout of one webhook POST."""
+
+    # --- control channel --------------------------------------------------------------------
+    control_enabled: bool = True
+    """Derive control advice from alerts (otherwise the advice is always none)."""
+    reduce_lr_factor: float = 0.5
+    """kl_drift / high_entropy advise multiplying the LR by this factor."""
+    rollback_on_collapse: bool = True
+    """A confirmed collapse advises rolling back to the last healthy iteration."""
+    pause_on_collapse: bool = True
+    """A confirmed collapse without rollback (disabled or no healthy iteration) advises checkpoint_and_pause."""
+
+    def validate(self) -> None:
+        for name in ("listen", "address"):
+            value = getattr(self, name)
+            if value is None and name == "address":
+                continue
+            try:
+                parse_hostport(value)
+            except ValueError as e:
+                check(False, name, f"must be HOST:PORT, got {value!r} ({e})")
+        if self.token is not None:
+            check(len(self.token) >= 8, "token", f"must be at least 8 characters, got {len(self.token)}")
+        check(bool(self.db_path), "db_path", "must not be empty")
+        check(self.queue_size >= 1, "queue_size", f"must be >= 1, got {self.queue_size}")
+        check(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+        check(self.batch_max_records >= 1, "batch_max_records", f"must be >= 1, got {self.batch_max_records}")
+        check(self.flush_interval_s > 0, "flush_interval_s", f"must be > 0, got {self.flush_interval_s}")
+        check(self.control_poll_interval_s > 0, "control_poll_interval_s",
+              f"must be > 0, got {self.control_poll_interval_s}")
+        check(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        check(self.retry_max_backoff_s > 0, "retry_max_backoff_s", f"must be > 0, got {self.retry_max_backoff_s}")
+        check(self.spool_max_bytes >= 0, "spool_max_bytes", f"must be >= 0, got {self.spool_max_bytes}")
+        if self.entropy_band is not None:
+            lo, hi = self.entropy_band
+            check(math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi, "entropy_band",
+                  f"must be [low, high] with 0 <= low < high, got {list(self.entropy_band)}")
+        check(self.entropy_calibration_steps >= 2, "entropy_calibration_steps",
+              f"must be >= 2, got {self.entropy_calibration_steps}")
+        check(self.entropy_band_sigmas > 0, "entropy_band_sigmas", f"must be > 0, got {self.entropy_band_sigmas}")
+        check(self.entropy_band_min_halfwidth >= 0, "entropy_band_min_halfwidth",
+              f"must be >= 0, got {self.entropy_band_min_halfwidth}")
+        check(self.entropy_jump > 0, "entropy_jump", f"must be > 0, got {self.entropy_jump}")
+        check(self.entropy_jump_window >= 2, "entropy_jump_window", f"must be >= 2, got {self.entropy_jump_window}")
+        check(self.low_entropy_patience >= 1, "low_entropy_patience", f"must be >= 1, got {self.low_entropy_patience}")
+        check(0 < self.repetition_threshold <= 1, "repetition_threshold",
+              f"must be in (0, 1], got {self.repetition_threshold}")
+        check(self.longest_repeat_threshold >= 0, "longest_repeat_threshold",
+              f"must be >= 0, got {self.longest_repeat_threshold}")
+        check(self.kl_threshold > 0, "kl_threshold", f"must be > 0, got {self.kl_threshold}")
+        check(self.kl_window >= 1, "kl_window", f"must be >= 1, got {self.kl_window}")
+        for name in ("kl_ref_threshold", "mismatch_kl_threshold"):
+            value = getattr(self, name)
+            check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
+        check(self.grad_spike_factor > 1, "grad_spike_factor", f"must be > 1, got {self.grad_spike_factor}")
+        check(self.grad_spike_window >= 1, "grad_spike_window", f"must be >= 1, got {self.grad_spike_window}")
+        check(1 <= self.grad_spike_min_history <= self.grad_spike_window, "grad_spike_min_history",
+              f"must be in [1, grad_spike_window={self.grad_spike_window}], got {self.grad_spike_min_history}")
+        check(self.reward_std_min >= 0, "reward_std_min", f"must be >= 0, got {self.reward_std_min}")
+        check(0 < self.zero_var_frac_max <= 1, "zero_var_frac_max", f"must be in (0, 1], got {self.zero_var_frac_max}")
+        check(self.reward_collapse_patience >= 1, "reward_collapse_patience",
+              f"must be >= 1, got {self.reward_collapse_patience}")
+        check(self.collapse_confirm_steps >= 1, "collapse_confirm_steps",
+              f"must be >= 1, got {self.collapse_confirm_steps}")
+        check(self.alert_cooldown >= 1, "alert_cooldown", f"must be >= 1, got {self.alert_cooldown}")
+        if self.webhook_url is not None:
+            check(self.webhook_url.startswith(("http://", "https://")), "webhook_url",
+                  f"must be an http:// or https:// URL, got {self.webhook_url!r}")
+        check(self.webhook_timeout_s > 0, "webhook_timeout_s", f"must be > 0, got {self.webhook_timeout_s}")
+        check(0 < self.reduce_lr_factor < 1, "reduce_lr_factor", f"must be in (0, 1), got {self.reduce_lr_factor}")
