@@ -1,0 +1,370 @@
+"""Collapse detector: rules over the per-iteration metric stream (pure python, stdlib only).
+
+Rules (names are stable; see docs/monitor.md for defaults):
+
+- ``high_entropy``  entropy above the normal band (critical) or rising by more than
+  ``entropy_jump`` x band centre within ``entropy_jump_window`` steps (warning).
+- ``low_entropy``   ``repetition_rate >= repetition_threshold`` or ``longest_repeat >=
+  longest_repeat_threshold`` (critical), and/or entropy below the band for
+  ``low_entropy_patience`` consecutive steps (warning).
+- ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
+  (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named.
+- ``non_finite``    any numeric field NaN/Inf (critical).
+- ``grad_spike``    ``grad_norm > grad_spike_factor x median`` of the previous
+  ``grad_spike_window`` steps (warning).
+- ``reward_collapse`` reward variance collapsed (``reward_std < reward_std_min`` or
+  ``zero_var_frac >= zero_var_frac_max``) for ``reward_collapse_patience`` steps (warning).
+- ``sampler_mismatch`` ``mismatch_kl > mismatch_kl_threshold`` for ``kl_window`` batches
+  (warning; off unless the threshold is set).
+
+A rule alerts when its condition starts to hold, again after ``alert_cooldown``
+iterations while it keeps holding, and again when its severity escalates. A critical
+condition holding ``collapse_confirm_steps`` consecutive steps raises one extra alert
+with ``confirmed=True`` (a confirmed collapse). Steps on which no rule holds are
+*healthy*; they calibrate the entropy band (first K of them) and define
+``last_healthy_iteration``, the rollback target.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any, Mapping, Optional
+
+from .alerts import RULES, Alert
+from .records import ENVELOPE_KEYS, is_finite
+
+_SEV_RANK = {"info": 0, "warning": 1, "critical": 2}
+_TRACKED = ("entropy", "kl_old_new", "kl_ref", "mismatch_kl", "repetition_rate", "longest_repeat",
+            "grad_norm", "reward_std", "zero_var_frac")
+
+
+def _default_cfg() -> Any:
+    from ..config.monitor import MonitorConfig
+
+    return MonitorConfig()
+
+
+class _Hit:
+    __slots__ = ("severity", "message", "metric", "window", "details")
+
+    def __init__(self, severity: str, message: str, metric: str, window: list, details: Optional[dict] = None):
+        self.severity, self.message, self.metric, self.window = severity, message, metric, window
+        self.details = details or {}
+
+
+class CollapseDetector:
+    """Stateful rule engine. ``cfg`` is a :class:`MonitorConfig` (or any object with its
+    detector attributes); ``update(record)`` returns the alerts that record raised."""
+
+    def __init__(self, cfg: Any = None, run_id: str = "default"):
+        self.cfg = cfg if cfg is not None else _default_cfg()
+        self.run_id = run_id
+        c = self.cfg
+        self._hist_len = max(c.kl_window, c.entropy_jump_window, c.grad_spike_window + 1,
+                             c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps, 2)
+        self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
+        self.band_source: Optional[str] = "config" if self.band is not None else None
+        self._calib: list[float] = []
+        self.attempt = 0
+        self.last_iteration: Optional[int] = None
+        self.last_healthy_iteration: Optional[int] = None
+        self.kl_estimator: Optional[str] = None
+        self.records_seen = 0
+        self.ignored_out_of_order = 0
+        self._reset_windows()
+
+    # ------------------------------------------------------------------ state
+    def _reset_windows(self) -> None:
+        self._hist: dict[str, deque] = {k: deque(maxlen=self._hist_len) for k in _TRACKED}
+        self._counters: dict[str, int] = {"kl_old_new": 0, "kl_ref": 0, "mismatch_kl": 0, "below_band": 0,
+                                          "reward": 0}
+        self._streak = {r: 0 for r in RULES}
+        self._crit_streak = {r: 0 for r in RULES}
+        self._last_fired: dict[str, Optional[int]] = {r: None for r in RULES}
+        self._fired_sev = {r: "" for r in RULES}
+        self._confirmed = {r: False for r in RULES}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state (the sidecar persists it in SQLite after every batch)."""
+        return {
+            "version": 1,
+            "run_id": self.run_id,
+            "band": list(self.band) if self.band is not None else None,
+            "band_source": self.band_source,
+            "calib": list(self._calib),
+            "attempt": self.attempt,
+            "last_iteration": self.last_iteration,
+            "last_healthy_iteration": self.last_healthy_iteration,
+            "kl_estimator": self.kl_estimator,
+            "records_seen": self.records_seen,
+            "ignored_out_of_order": self.ignored_out_of_order,
+            "hist": {k: [list(x) for x in v] for k, v in self._hist.items()},
+            "counters": dict(self._counters),
+            "streak": dict(self._streak),
+            "crit_streak": dict(self._crit_streak),
+            "last_fired": dict(self._last_fired),
+            "fired_sev": dict(self._fired_sev),
+            "confirmed": dict(self._confirmed),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported detector state version {state.get('version')!r}")
+        self.run_id = state.get("run_id", self.run_id)
+        if self.band_source != "config":  # an explicitly configured band wins over a saved one
+            band = state.get("band")
+            self.band = tuple(band) if band is not None else None
+            self.band_source = state.get("band_source")
+        self._calib = list(state.get("calib", []))
+        self.attempt = int(state.get("attempt", 0))
+        self.last_iteration = state.get("last_iteration")
+        self.last_healthy_iteration = state.get("last_healthy_iteration")
+        self.kl_estimator = state.get("kl_estimator")
+        self.records_seen = int(state.get("records_seen", 0))
+        self.ignored_out_of_order = int(state.get("ignored_out_of_order", 0))
+        self._reset_windows()
+        for k, v in state.get("hist", {}).items():
+            if k in self._hist:
+                self._hist[k].extend(tuple(x) for x in v)
+        for name, target in (("counters", self._counters), ("streak", self._streak),
+                             ("crit_streak", self._crit_streak), ("last_fired", self._last_fired),
+                             ("fired_sev", self._fired_sev), ("confirmed", self._confirmed)):
+            for k, v in state.get(name, {}).items():
+                if k in target:
+                    target[k] = v
+
+    # ------------------------------------------------------------------ stream
+    def update(self, record: Mapping) -> list[Alert]:
+        """Feed one record (same field names as the trainer sends); return new alerts.
+
+        Records of an older attempt, or not newer than the last seen iteration of the
+        current attempt, are ignored (counted in ``ignored_out_of_order``)."""
+        it = int(record["iteration"])
+        attempt = int(record.get("attempt", 0) or 0)
+        if attempt < self.attempt or (attempt == self.attempt and self.last_iteration is not None
+                                      and it <= self.last_iteration):
+            self.ignored_out_of_order += 1
+            return []
+        if attempt > self.attempt:  # a new trainer segment (restart or rollback)
+            self.attempt = attempt
+            if self.last_iteration is not None and it <= self.last_iteration:
+                # it rewound: the windows describe iterations that no longer exist; keep the band
+                self._reset_windows()
+                if self.last_healthy_iteration is not None:
+                    self.last_healthy_iteration = min(self.last_healthy_iteration, it - 1)
+        self.last_iteration = it
+        self.records_seen += 1
+        est = record.get("kl_estimator")
+        if isinstance(est, str) and est:
+            self.kl_estimator = est
+
+        vals = {k: record.get(k) for k in _TRACKED}
+        for k, v in vals.items():
+            if is_finite(v):
+                self._hist[k].append((it, float(v)))
+
+        hits: dict[str, _Hit] = {}
+        for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
+                         ("low_entropy", self._rule_low_entropy), ("kl_drift", self._rule_kl),
+                         ("sampler_mismatch", self._rule_mismatch), ("grad_spike", self._rule_grad_spike),
+                         ("reward_collapse", self._rule_reward)):
+            hit = fn(record, it)
+            if hit is not None:
+                hits[rule] = hit
+
+        alerts = self._fire(hits, it)
+        if not hits:
+            self.last_healthy_iteration = it
+            e = vals["entropy"]
+            if self.band_source is None and is_finite(e):
+                self._calib.append(float(e))
+                if len(self._calib) >= self.cfg.entropy_calibration_steps:
+                    self._calibrate()
+        return alerts
+
+    def _calibrate(self) -> None:
+        mean = statistics.fmean(self._calib)
+        std = statistics.pstdev(self._calib)
+        half = max(self.cfg.entropy_band_sigmas * std, self.cfg.entropy_band_min_halfwidth * abs(mean), 1e-6)
+        self.band = (max(0.0, mean - half), mean + half)
+        self.band_source = "calibrated"
+
+    def _fire(self, hits: dict[str, _Hit], it: int) -> list[Alert]:
+        alerts = []
+        confirm = self.cfg.collapse_confirm_steps
+        for rule in RULES:
+            hit = hits.get(rule)
+            if hit is None:
+                self._streak[rule] = 0
+                self._crit_streak[rule] = 0
+                self._confirmed[rule] = False
+                self._fired_sev[rule] = ""
+                continue
+            self._streak[rule] += 1
+            critical = hit.severity == "critical"
+            self._crit_streak[rule] = self._crit_streak[rule] + 1 if critical else 0
+            details = dict(hit.details)
+            details["last_healthy_iteration"] = self.last_healthy_iteration
+            details["streak"] = self._streak[rule]
+            confirmed = critical and self._crit_streak[rule] >= confirm and not self._confirmed[rule]
+            last = self._last_fired[rule]
+            escalated = _SEV_RANK[hit.severity] > _SEV_RANK.get(self._fired_sev[rule], -1)
+            if confirmed:
+                self._confirmed[rule] = True
+                msg = f"{hit.message} (condition held {self._crit_streak[rule]} consecutive steps: confirmed collapse)"
+            elif self._streak[rule] == 1 or escalated or last is None or it - last >= self.cfg.alert_cooldown:
+                msg = hit.message
+            else:
+                continue
+            self._last_fired[rule] = it
+            self._fired_sev[rule] = hit.severity
+            alerts.append(Alert(rule=rule, severity=hit.severity, iteration=it, message=msg, metric=hit.metric,
+                                window=hit.window, confirmed=confirmed, run_id=self.run_id,
+                                attempt=self.attempt, details=details))
+        return alerts
+
+    def _window(self, key: str, n: int) -> list:
+        h = self._hist[key]
+        return [list(x) for x in list(h)[-n:]]
+
+    # ------------------------------------------------------------------ rules
+    def _rule_non_finite(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        bad = {}
+        for k, v in rec.items():
+            if k in ENVELOPE_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if not math.isfinite(v):
+                bad[k] = v
+        if not bad:
+            return None
+        names = ", ".join(sorted(bad))
+        return _Hit("critical", f"non-finite values in {names}", ",".join(sorted(bad)),
+                    [[it, {k: bad[k] for k in sorted(bad)}]], {"fields": sorted(bad)})
+
+    def _rule_high_entropy(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        e = rec.get("entropy")
+        if not is_finite(e):
+            return None
+        c = self.cfg
+        reasons, severity, details = [], None, {"band": list(self.band) if self.band else None,
+                                                 "band_source": self.band_source}
+        if self.band is not None and e > self.band[1]:
+            severity = "critical"
+            reasons.append(f"entropy {e:.4g} above the normal band [{self.band[0]:.4g}, {self.band[1]:.4g}]"
+                           f" ({self.band_source})")
+        prev = [v for _, v in list(self._hist["entropy"])[-c.entropy_jump_window:-1]]
+        if prev:
+            low = min(prev)
+            scale = (self.band[0] + self.band[1]) / 2 if self.band is not None else low
+            rise = e - low
+            if scale > 0 and rise >= c.entropy_jump * scale:
+                severity = severity or "warning"
+                reasons.append(f"entropy jumped {low:.4g} -> {e:.4g} (+{rise:.4g}) within "
+                               f"{c.entropy_jump_window} steps (limit +{c.entropy_jump * scale:.4g})")
+                details["jump"] = rise
+        if severity is None:
+            return None
+        return _Hit(severity, "; ".join(reasons), "entropy", self._window("entropy", c.entropy_jump_window), details)
+
+    def _rule_low_entropy(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c = self.cfg
+        reasons, severity, metric, details = [], None, "", {}
+        rep = rec.get("repetition_rate")
+        if is_finite(rep) and rep >= c.repetition_threshold:
+            severity, metric = "critical", "repetition_rate"
+            reasons.append(f"repetition_rate {rep:.3g} >= {c.repetition_threshold:.3g}")
+            details["repetition_threshold"] = c.repetition_threshold
+        lr = rec.get("longest_repeat")
+        if c.longest_repeat_threshold > 0 and is_finite(lr) and lr >= c.longest_repeat_threshold:
+            severity, metric = "critical", metric or "longest_repeat"
+            reasons.append(f"longest_repeat {lr:g} >= {c.longest_repeat_threshold}")
+        e = rec.get("entropy")
+        if self.band is not None and is_finite(e):
+            self._counters["below_band"] = self._counters["below_band"] + 1 if e < self.band[0] else 0
+            if self._counters["below_band"] >= c.low_entropy_patience:
+                severity = severity or "warning"
+                metric = metric or "entropy"
+                reasons.append(f"entropy {e:.4g} below the band [{self.band[0]:.4g}, {self.band[1]:.4g}] for "
+                               f"{self._counters['below_band']} steps")
+                details["band"] = list(self.band)
+        if severity is None:
+            return None
+        n = max(c.low_entropy_patience, 1) if metric == "entropy" else max(c.collapse_confirm_steps, 1)
+        return _Hit(severity, "; ".join(reasons), metric, self._window(metric, n), details)
+
+    def _consecutive(self, rec: Mapping, key: str, threshold: Optional[float]) -> bool:
+        if threshold is None:
+            return False
+        v = rec.get(key)
+        if is_finite(v):
+            self._counters[key] = self._counters[key] + 1 if v > threshold else 0
+        return self._counters[key] >= self.cfg.kl_window
+
+    def _rule_kl(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c = self.cfg
+        est = self.kl_estimator or "unspecified"
+        hit_new = self._consecutive(rec, "kl_old_new", c.kl_threshold)
+        hit_ref = self._consecutive(rec, "kl_ref", c.kl_ref_threshold)
+        if not (hit_new or hit_ref):
+            return None
+        key, thr, what = (("kl_old_new", c.kl_threshold, "KL(pi_old||pi_new)") if hit_new
+                          else ("kl_ref", c.kl_ref_threshold, "KL to reference"))
+        msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "
+               f"(window {c.kl_window}), latest {self._hist[key][-1][1]:.4g}")
+        return _Hit("warning", msg, key, self._window(key, c.kl_window),
+                    {"estimator": est, "threshold": thr, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref})
+
+    def _rule_mismatch(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c = self.cfg
+        if not self._consecutive(rec, "mismatch_kl", c.mismatch_kl_threshold):
+            return None
+        return _Hit("warning", f"sampler/trainer mismatch_kl > {c.mismatch_kl_threshold:g} for "
+                    f"{self._counters['mismatch_kl']} consecutive batches (not policy drift)", "mismatch_kl",
+                    self._window("mismatch_kl", c.kl_window), {"threshold": c.mismatch_kl_threshold})
+
+    def _rule_grad_spike(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c = self.cfg
+        g = rec.get("grad_norm")
+        if not is_finite(g):
+            return None
+        prev = [v for _, v in list(self._hist["grad_norm"])[:-1]][-c.grad_spike_window:]
+        if len(prev) < c.grad_spike_min_history:
+            return None
+        med = statistics.median(prev)
+        if med <= 0 or g <= c.grad_spike_factor * med:
+            return None
+        return _Hit("warning", f"grad_norm {g:.4g} > {c.grad_spike_factor:g} x recent median {med:.4g}",
+                    "grad_norm", self._window("grad_norm", c.grad_spike_window + 1),
+                    {"median": med, "factor": c.grad_spike_factor})
+
+    def _rule_reward(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c = self.cfg
+        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
+        if not (is_finite(std) or is_finite(zv)):
+            return None
+        collapsed = (is_finite(std) and std < c.reward_std_min) or (is_finite(zv) and zv >= c.zero_var_frac_max)
+        self._counters["reward"] = self._counters["reward"] + 1 if collapsed else 0
+        if self._counters["reward"] < c.reward_collapse_patience:
+            return None
+        key = "reward_std" if is_finite(std) and std < c.reward_std_min else "zero_var_frac"
+        mean = rec.get("reward_mean")
+        msg = (f"reward variance collapsed for {self._counters['reward']} steps "
+               f"(reward_std={std!r}, zero_var_frac={zv!r}, reward_mean={mean!r}): no learning signal")
+        return _Hit("warning", msg, key, self._window(key, c.reward_collapse_patience),
+                    {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max})
+
+
+def run_detector(records, cfg: Any = None) -> list[Alert]:
+    """Run a fresh detector per run_id over ``records`` (kind ``train`` only); return all alerts."""
+    detectors: dict[str, CollapseDetector] = {}
+    out: list[Alert] = []
+    for rec in records:
+        if rec.get("kind", "train") != "train":
+            continue
+        run = rec.get("run_id", "default")
+        det = detectors.get(run)
+        if det is None:
+            det = detectors[run] = CollapseDetector(cfg, run_id=run)
+        out.extend(det.update(rec))
+    return out

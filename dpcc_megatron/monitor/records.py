@@ -1,0 +1,130 @@
+"""Metric record schema shared by the client, the sidecar and the offline tools.
+
+A record is one flat JSON object per iteration. Standard fields are listed in
+:data:`RECORD_FIELDS`; any other numeric key is accepted and stored too.
+Envelope keys added by the client: ``run_id``, ``attempt`` (bumped on rollback),
+``kind`` (``train`` unless told otherwise) and ``time`` (wall clock, seconds).
+The idempotency key is ``(run_id, attempt, iteration, kind)``.
+
+Stdlib only: the sidecar imports this module.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Mapping
+
+RECORD_FIELDS: dict[str, str] = {
+    "iteration": "RL iteration (int >= 0); part of the idempotency key",
+    "entropy": "mean exact token entropy of the sampled responses under the current policy (nats)",
+    "entropy_frac": "entropy as a fraction of ln|V|",
+    "kl_old_new": "KL(pi_old || pi_new) over the iteration's updates (policy drift)",
+    "kl_estimator": "name of the KL estimator used for kl_old_new / kl_ref (e.g. k1, k2, k3, exact)",
+    "kl_ref": "KL to the reference policy",
+    "mismatch_kl": "sampler vs trainer log-prob mismatch (kept separate from policy drift)",
+    "repetition_rate": "repeated 3-/4-gram share of the sampled responses",
+    "longest_repeat": "longest repeated run in any sampled response (tokens)",
+    "language_consistency": "share of letters in the dominant expected script",
+    "perplexity": "perplexity of the sampled responses under the current policy",
+    "reward_mean": "mean reward of the iteration's samples",
+    "reward_std": "reward standard deviation",
+    "reward_agreement": "agreement of the reward with labelled data (from the reward layer)",
+    "grad_norm": "global gradient norm (before clipping)",
+    "tau": "DPCC calibration temperature tau_t",
+    "lr": "current learning rate",
+    "lr_factor": "multiplier applied to the scheduled LR by control advice",
+    "clip_frac": "fraction of tokens whose ratio was clipped",
+    "sample_utilization": "fraction of samples that contributed gradient",
+    "zero_var_frac": "fraction of GRPO groups with zero reward variance",
+    "steps_taken": "optimizer steps taken this iteration",
+    "steps_skipped": "optimizer steps skipped (non-finite grads) this iteration",
+}
+
+ENVELOPE_KEYS = ("run_id", "attempt", "kind", "time")
+STRING_FIELDS = {"kl_estimator", "run_id", "kind"}
+
+MAX_KEYS = 256
+MAX_KEY_LEN = 64
+MAX_STR_LEN = 256
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+_ID_RE = re.compile(r"^[A-Za-z0-9_.\-/:#@+]{1,128}$")
+
+
+class RecordError(ValueError):
+    """A record does not match the schema."""
+
+
+def normalize_record(raw: Any) -> dict:
+    """Validate one decoded record and fill envelope defaults; raise RecordError."""
+    if not isinstance(raw, dict):
+        raise RecordError(f"record must be a JSON object, got {type(raw).__name__}")
+    if len(raw) > MAX_KEYS:
+        raise RecordError(f"record has {len(raw)} keys (max {MAX_KEYS})")
+    it = raw.get("iteration")
+    if isinstance(it, float) and math.isfinite(it) and it.is_integer():
+        it = int(it)
+    if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+        raise RecordError(f"iteration must be an int >= 0, got {raw.get('iteration')!r}")
+    out: dict = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or len(key) > MAX_KEY_LEN or not _KEY_RE.match(key):
+            raise RecordError(f"invalid field name {key!r}")
+        if value is None or isinstance(value, (int, float)):
+            out[key] = value
+        elif isinstance(value, str):
+            if len(value) > MAX_STR_LEN:
+                raise RecordError(f"field {key} is a string longer than {MAX_STR_LEN}")
+            out[key] = value
+        else:
+            raise RecordError(f"field {key} must be a number, string or null, got {type(value).__name__}")
+    out["iteration"] = it
+    run_id = out.get("run_id", "default")
+    if not isinstance(run_id, str) or not _ID_RE.match(run_id):
+        raise RecordError(f"run_id must match {_ID_RE.pattern}, got {run_id!r}")
+    kind = out.get("kind", "train")
+    if not isinstance(kind, str) or not _ID_RE.match(kind):
+        raise RecordError(f"kind must match {_ID_RE.pattern}, got {kind!r}")
+    attempt = out.get("attempt", 0)
+    if isinstance(attempt, float) and attempt.is_integer():
+        attempt = int(attempt)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise RecordError(f"attempt must be an int >= 0, got {attempt!r}")
+    out["run_id"], out["kind"], out["attempt"] = run_id, kind, attempt
+    t = out.get("time")
+    if t is not None and not (isinstance(t, (int, float)) and not isinstance(t, bool)):
+        raise RecordError("time must be a number")
+    return out
+
+
+def numeric_fields(record: Mapping) -> dict[str, float]:
+    """Numeric metric values of a record (envelope and iteration excluded; bools as 0/1)."""
+    out = {}
+    for key, value in record.items():
+        if key in ENVELOPE_KEYS or key == "iteration":
+            continue
+        if isinstance(value, bool):
+            out[key] = float(value)
+        elif isinstance(value, (int, float)):
+            out[key] = float(value)
+    return out
+
+
+def is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def sanitize(obj: Any) -> Any:
+    """JSON-safe copy: non-finite floats become the strings "nan", "inf", "-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+def dumps_strict(obj: Any) -> str:
+    """Standard JSON (no NaN tokens) for sinks other tools read."""
+    return json.dumps(sanitize(obj), separators=(",", ":"), sort_keys=False)
