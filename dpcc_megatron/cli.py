@@ -12,6 +12,7 @@ import sys
 
 # name -> (module, one-line help). Order is the order shown by --help.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "monitor": ("dpcc_megatron.commands.monitor", "metrics sidecar: serve, replay a metric stream, report"),
 }
 
 
