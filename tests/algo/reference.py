@@ -1,0 +1,143 @@
+"""Plain-Python reference of every policy loss: value and d loss / d logprobs, by loops.
+
+Written from the formulas in docs/algorithm.md, independently of dpcc_megatron.algo:
+no torch, explicit per-token derivatives (the losses with stop-gradients have no
+scalar potential, so finite differences cannot stand in for them).
+"""
+from __future__ import annotations
+
+import math
+
+CLAMP = 20.0
+
+
+def _ratio(lp: float, old: float) -> tuple[float, float]:
+    """(r, d r / d lp) with the +-CLAMP log-ratio clamp."""
+    raw = lp - old
+    r = math.exp(max(-CLAMP, min(CLAMP, raw)))
+    return r, (r if abs(raw) <= CLAMP else 0.0)
+
+
+def _ppo_token(a: float, lp: float, old: float, lo: float, hi: float, c: float | None) -> tuple[float, float]:
+    r, dr = _ratio(lp, old)
+    unclipped, clipped = -a * r, -a * min(max(r, lo), hi)
+    value = max(unclipped, clipped)
+    # Where the clipped branch is strictly larger r is outside [lo, hi]: it is a constant.
+    grad = 0.0 if clipped > unclipped else -a * dr
+    if c is not None and a < 0 and -a * c < value:
+        value, grad = -a * c, 0.0
+    return value, grad
+
+
+def _per_token_adv(adv, b: int, t: int) -> float:
+    row = adv[b]
+    return row[t] if isinstance(row, list) else row
+
+
+def _zeros(mask):
+    return [[0.0] * len(row) for row in mask]
+
+
+def ppo_reference(lp, old, adv, mask, lo, hi, c, aggregation):
+    """grpo (seq_mean_token_mean), dapo (token_mean), dr_grpo (token_sum_norm)."""
+    B, T = len(mask), len(mask[0])
+    vals, grads = _zeros(mask), _zeros(mask)
+    for b in range(B):
+        for t in range(T):
+            if mask[b][t]:
+                vals[b][t], grads[b][t] = _ppo_token(_per_token_adv(adv, b, t), lp[b][t], old[b][t], lo, hi, c)
+    return _aggregate(vals, grads, mask, aggregation)
+
+
+def _aggregate(vals, grads, mask, aggregation):
+    B, T = len(mask), len(mask[0])
+    lengths = [sum(1 for t in range(T) if mask[b][t]) for b in range(B)]
+    out_grad = _zeros(mask)
+    if aggregation == "token_mean":
+        n = max(sum(lengths), 1)
+        value = sum(vals[b][t] for b in range(B) for t in range(T) if mask[b][t]) / n
+        scale = [[1.0 / n] * T for _ in range(B)]
+    elif aggregation in ("seq_mean_token_mean", "seq_mean"):
+        seqs = max(sum(1 for n in lengths if n > 0), 1)
+        value = sum(sum(vals[b][t] for t in range(T) if mask[b][t]) / lengths[b]
+                    for b in range(B) if lengths[b] > 0) / seqs
+        scale = [[1.0 / (max(lengths[b], 1) * seqs)] * T for b in range(B)]
+    elif aggregation == "token_sum_norm":
+        value = sum(vals[b][t] for b in range(B) for t in range(T) if mask[b][t]) / (B * T)
+        scale = [[1.0 / (B * T)] * T for _ in range(B)]
+    else:
+        raise ValueError(aggregation)
+    for b in range(B):
+        for t in range(T):
+            if mask[b][t]:
+                out_grad[b][t] = grads[b][t] * scale[b][t]
+    return value, out_grad
+
+
+def gspo_reference(lp, old, adv, mask, lo, hi):
+    """Sequence ratio s_i = exp(mean_t clamp(lp - old)); gradient s_i * A / (n_i * S) per unclipped token."""
+    B, T = len(mask), len(mask[0])
+    vals, grads = _zeros(mask), _zeros(mask)
+    for b in range(B):
+        idx = [t for t in range(T) if mask[b][t]]
+        if not idx:
+            continue
+        s = math.exp(sum(max(-CLAMP, min(CLAMP, lp[b][t] - old[b][t])) for t in idx) / len(idx))
+        for t in idx:
+            a = _per_token_adv(adv, b, t)
+            unclipped, clipped = -a * s, -a * min(max(s, lo), hi)
+            vals[b][t] = max(unclipped, clipped)
+            grads[b][t] = 0.0 if clipped > unclipped else -a * s
+    return _aggregate(vals, grads, mask, "seq_mean")
+
+
+def gspo_sequence_value(lp, old, adv_seq, mask, lo, hi):
+    """GSPO as published (sequence-level, per-sequence A), for finite differences."""
+    total, seqs = 0.0, 0
+    for b in range(len(mask)):
+        idx = [t for t in range(len(mask[b])) if mask[b][t]]
+        if not idx:
+            continue
+        s = math.exp(sum(lp[b][t] - old[b][t] for t in idx) / len(idx))
+        a = adv_seq[b]
+        total += max(-a * s, -a * min(max(s, lo), hi))
+        seqs += 1
+    return total / max(seqs, 1)
+
+
+def weighted_pg_reference(lp, old, adv, mask, weight_fn, with_logprob: bool):
+    """Token-mean of -sg(w(r)) * A * (log pi if with_logprob else pi/sg(pi)); gradient -w * A."""
+    B, T = len(mask), len(mask[0])
+    vals, grads = _zeros(mask), _zeros(mask)
+    for b in range(B):
+        for t in range(T):
+            if mask[b][t]:
+                a = _per_token_adv(adv, b, t)
+                r, _ = _ratio(lp[b][t], old[b][t])
+                w = weight_fn(r)
+                vals[b][t] = -w * a * (lp[b][t] if with_logprob else 1.0)
+                grads[b][t] = -w * a
+    return _aggregate(vals, grads, mask, "token_mean")
+
+
+def reference(name, lp, old, adv, mask, *, clip_eps=0.2, eps_low=0.2, eps_high=0.28, dual_c=None,
+              gspo_low=3e-4, gspo_high=4e-4, cispo_high=0.28, tau=2.0):
+    """(value, grad) of loss ``name`` on nested lists."""
+    if name == "grpo":
+        return ppo_reference(lp, old, adv, mask, 1 - clip_eps, 1 + clip_eps, dual_c, "seq_mean_token_mean")
+    if name == "dapo":
+        return ppo_reference(lp, old, adv, mask, 1 - eps_low, 1 + eps_high, dual_c, "token_mean")
+    if name == "dr_grpo":
+        return ppo_reference(lp, old, adv, mask, 1 - clip_eps, 1 + clip_eps, dual_c, "token_sum_norm")
+    if name == "gspo":
+        return gspo_reference(lp, old, adv, mask, 1 - gspo_low, 1 + gspo_high)
+    if name == "cispo":
+        return weighted_pg_reference(lp, old, adv, mask, lambda r: min(r, 1 + cispo_high), True)
+    if name == "dpcc":
+        return weighted_pg_reference(lp, old, adv, mask, lambda r: min(max(r, 1 / tau), tau), False)
+    raise ValueError(name)
+
+
+def max_weight(name, *, tau=2.0, cispo_high=0.28):
+    """Largest |d l_t / d log pi_t| / |A_t| of one token before aggregation."""
+    return {"dpcc": tau, "cispo": 1 + cispo_high}.get(name, math.exp(CLAMP))

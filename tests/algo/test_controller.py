@@ -1,0 +1,180 @@
+"""DPCC's formulas at exact values, the early-phase schedule and the controller's state."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from dpcc_megatron.algo import DPCCController, adaptive_threshold, drift_lr_factor, early_phase_cap
+from dpcc_megatron.config.algo import DPCCConfig, LossConfig
+
+
+@pytest.mark.parametrize("tau0,alpha,kl,tau_min,expected", [
+    (2.0, 5.0, 0.02, 1.1, 1.8),        # 2 * (1 - 0.1)
+    (2.0, 5.0, 0.0, 1.1, 2.0),
+    (2.0, 5.0, 0.5, 1.1, 1.1),         # 2 * (1 - 2.5) < tau_min: clamped up
+    (2.0, 5.0, 0.09, 1.1, 1.1),        # 2 * 0.55 = 1.1 exactly at the floor
+    (2.0, 5.0, -0.1, 1.1, 2.0),        # a negative k1 estimate cannot loosen beyond tau0
+    (3.0, 2.0, 0.1, 1.5, 2.4),
+    (2.0, 0.0, 7.0, 1.1, 2.0),         # alpha = 0: fixed tau0
+    (2.0, 0.0, math.inf, 1.1, 2.0),
+    (2.0, 5.0, math.inf, 1.1, 1.1),
+])
+def test_adaptive_threshold_exact(tau0, alpha, kl, tau_min, expected):
+    assert adaptive_threshold(tau0, alpha, kl, tau_min) == pytest.approx(expected, abs=1e-12)
+
+
+def test_adaptive_threshold_refuses_nan_and_inverted_bounds():
+    with pytest.raises(ValueError, match="NaN"):
+        adaptive_threshold(2.0, 5.0, math.nan, 1.1)
+    with pytest.raises(ValueError, match="tau_min"):
+        adaptive_threshold(2.0, 5.0, 0.0, 2.5)
+
+
+@pytest.mark.parametrize("drift,threshold,expected", [
+    (0.01, 0.02, 1.0),
+    (0.02, 0.02, 1.0),                 # not above the threshold
+    (0.03, 0.02, 0.5 / 1.01),
+    (0.52, 0.02, 0.5 / 1.5),
+    (3.0, 1.0, 0.5 / 3.0),
+    (-1.0, 0.0, 1.0),
+])
+def test_drift_lr_factor_exact(drift, threshold, expected):
+    assert drift_lr_factor(drift, threshold) == pytest.approx(expected, abs=1e-12)
+
+
+def test_early_phase_cap_schedule():
+    # total 20, early 20% -> steps 0..3 capped at 1.2; relax 20% -> +0.2 per step over steps 4..7.
+    caps = [early_phase_cap(s, 20, 2.0, 1.2, 0.2, 0.2) for s in range(10)]
+    assert caps == pytest.approx([1.2, 1.2, 1.2, 1.2, 1.2, 1.4, 1.6, 1.8, 2.0, 2.0])
+    # No relaxation window: a step at the end of the early phase.
+    assert [early_phase_cap(s, 10, 2.0, 1.3, 0.2, 0.0) for s in range(4)] == [1.3, 1.3, 2.0, 2.0]
+    # Early phase off.
+    assert early_phase_cap(0, 10, 2.0, 1.3, 0.0, 0.0) == 2.0
+
+
+def _cfg(**kw):
+    base = dict(tau0=2.0, alpha=5.0, tau_min=1.1, kl_ema_decay=0.5, total_steps=20, early_phase_fraction=0.2,
+                early_relax_fraction=0.2, early_tau=1.2, drift_threshold=0.05)
+    base.update(kw)
+    return DPCCConfig(**base)
+
+
+def test_controller_exact_sequence():
+    ctl = DPCCController(_cfg())
+    assert ctl.tau == 1.2 and ctl.lr_factor == 1.0 and ctl.step == 0
+    ctl.observe(0.04)                      # D = 0.04 -> adaptive 1.6, capped at 1.2
+    assert (ctl.step, ctl.kl_ema, ctl.tau_adaptive, ctl.tau, ctl.lr_factor) == pytest.approx((1, 0.04, 1.6, 1.2, 1.0))
+    ctl.observe(0.10)                      # D = 0.07 -> 1.3; drift 0.10 > 0.05
+    assert ctl.kl_ema == pytest.approx(0.07) and ctl.tau_adaptive == pytest.approx(1.3)
+    assert ctl.tau == pytest.approx(1.2)
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.05)
+    ctl.observe(0.0)                       # D = 0.035 -> 1.65; the factor is back to exactly 1
+    assert ctl.lr_factor == 1.0 and ctl.tau_adaptive == pytest.approx(1.65)
+    ctl.observe(0.0)                       # step 4: D = 0.0175 -> 1.825, cap 1.2
+    assert ctl.tau == pytest.approx(1.2)
+    ctl.observe(0.0)                       # step 5: D = 0.00875 -> 1.9125, cap 1.4
+    assert ctl.step == 5 and ctl.tau == pytest.approx(1.4)
+    for _ in range(3):
+        ctl.observe(0.0)                   # step 8: cap lifted, tau is the adaptive value
+    assert ctl.tau_cap == 2.0 and ctl.tau == pytest.approx(2.0 * (1 - 5.0 * 0.07 * 0.5 ** 6))
+    assert ctl.counters["drift_triggers"] == 1 and ctl.counters["lr_reduced_steps"] == 1
+
+
+def test_controller_tau_floor_and_loss_config():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0))
+    ctl.observe(1.0)
+    assert ctl.tau == 1.1 and ctl.counters["tau_floor_steps"] == 1
+    base = LossConfig(clip_eps=0.1)
+    cfg = ctl.loss_config(base)
+    assert cfg.dpcc.tau == 1.1 and cfg.clip_eps == 0.1 and base.dpcc.tau is None
+
+
+def test_alpha_zero_without_early_phase_is_fixed_tau0():
+    ctl = DPCCController(_cfg(alpha=0.0, early_phase_fraction=0.0, early_relax_fraction=0.0, total_steps=None))
+    for kl in (0.0, 0.5, 10.0, 0.01):
+        ctl.observe(kl)
+        assert ctl.tau == 2.0
+
+
+def test_lr_factor_never_compounds():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0))
+    ctl.observe(0.55)
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.5)
+    ctl.observe(0.55)                      # a second trigger: the same factor, not its square
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.5)
+    ctl.observe(0.15)
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.1)
+    ctl.observe(0.0)
+    assert ctl.lr_factor == 1.0
+
+
+def test_hysteresis_holds_the_reduced_factor():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0, drift_hysteresis_steps=2))
+    factors = []
+    for kl in (0.55, 0.0, 0.0, 0.0, 0.0):
+        ctl.observe(kl)
+        factors.append(ctl.lr_factor)
+    f = 0.5 / 1.5
+    assert factors == pytest.approx([f, f, f, 1.0, 1.0])
+
+
+def test_drift_score_kl_ema_and_disabled_lr():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0, drift_score="kl_ema"))
+    ctl.observe(0.0)
+    ctl.observe(0.08)                      # raw 0.08 > 0.05 but D = 0.04 is not
+    assert ctl.drift == pytest.approx(0.04) and ctl.lr_factor == 1.0
+    ctl.observe(0.1)                       # D = 0.07
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.02)
+    off = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0, drift_lr=False))
+    off.observe(5.0)
+    assert off.lr_factor == 1.0 and off.counters["drift_triggers"] == 1
+
+
+def test_nonfinite_kl_is_counted_and_ignored():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0))
+    ctl.observe(0.02)
+    before = (ctl.kl_ema, ctl.tau, ctl.lr_factor)
+    ctl.observe(float("nan"))
+    ctl.observe(float("inf"))
+    assert (ctl.kl_ema, ctl.tau, ctl.lr_factor) == before
+    assert ctl.step == 3 and ctl.counters["nonfinite_kl"] == 2 and ctl.counters["observations"] == 1
+
+
+def test_total_steps_required_for_early_phase():
+    with pytest.raises(ValueError, match="total_steps"):
+        DPCCController(_cfg(total_steps=None))
+    assert DPCCController(_cfg(total_steps=None), total_steps=50).total_steps == 50
+    assert DPCCController(_cfg(total_steps=30), total_steps=50).total_steps == 30
+
+
+def test_state_dict_round_trip_gives_identical_decisions():
+    rng = random.Random(0)
+    kls = [abs(rng.gauss(0.03, 0.04)) for _ in range(40)]
+    cfg = _cfg(total_steps=40, drift_hysteresis_steps=1)
+    a = DPCCController(cfg)
+    for kl in kls[:13]:
+        a.observe(kl)
+    state = json.loads(json.dumps(a.state_dict()))  # survives a JSON checkpoint
+    b = DPCCController(cfg)
+    assert b.tau != a.tau or b.step != a.step
+    b.load_state_dict(state)
+    for kl in kls[13:]:
+        assert (b.tau, b.lr_factor) == (a.tau, a.lr_factor)
+        a.observe(kl)
+        b.observe(kl)
+    assert a.state_dict() == b.state_dict()
+    assert a.metrics() == b.metrics()
+    assert {"dpcc/tau", "dpcc/lr_factor", "dpcc/kl_ema", "dpcc/drift_triggers"} <= set(a.metrics())
+
+
+def test_load_state_dict_refuses_foreign_state():
+    ctl = DPCCController(_cfg())
+    with pytest.raises(ValueError, match="version"):
+        ctl.load_state_dict({"version": 99})
+    state = ctl.state_dict()
+    del state["hold"]
+    with pytest.raises(ValueError, match="hold"):
+        ctl.load_state_dict(state)
