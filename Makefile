@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/dpcc-megatron --help
+	$(BIN)/dpcc-megatron demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
 # pytest exits 5 when no test ran; make turns any non-zero exit into failure.
 test: $(VENV)/.installed

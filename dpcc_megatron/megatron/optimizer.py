@@ -1,0 +1,101 @@
+"""Megatron DDP, optimizer and LR schedule, plus the drift-aware LR hook.
+
+The DPCC LR factor is applied around exactly one ``optimizer.step()``:
+
+    scheduled = group["lr"]            # what OptimizerParamScheduler set (incl. per-group multipliers)
+    group["lr"] = scheduled * factor   # this step only
+    optimizer.step()
+    group["lr"] = scheduled            # the schedule is never overwritten, so factors never compound
+
+This works for every Megatron optimizer (fp32, mixed precision, distributed,
+``ChainedOptimizer``) because they all expose the inner torch optimizers' param
+group dicts through ``param_groups``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..config import OptimizerConfig, ParallelConfig, PrecisionConfig
+
+
+def wrap_ddp(chunks, transformer_config, parallel: ParallelConfig):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.use_distributed_optimizer)
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                               disable_bucketing=i > 0))
+    return wrapped
+
+
+def build_optimizer(chunks, optim: OptimizerConfig, parallel: ParallelConfig, precision: PrecisionConfig):
+    from megatron.core.optimizer import OptimizerConfig as MOptConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision.params_dtype]
+    kwargs = dict(
+        optimizer=optim.name, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=precision.params_dtype == "bf16", fp16=precision.params_dtype == "fp16",
+        params_dtype=dtype, use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
+    if precision.params_dtype == "fp16":
+        kwargs.update(initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
+                      loss_scale_window=precision.loss_scale_window)
+    return get_megatron_optimizer(MOptConfig(**kwargs), chunks)
+
+
+def build_scheduler(optimizer, optim: OptimizerConfig, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = optim.lr_warmup_iters
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant")
+
+
+@contextmanager
+def scaled_lr(optimizer, factor: float) -> Iterator[list[float]]:
+    """Multiply every param group's scheduled LR by ``factor`` for the duration of one step."""
+    groups = optimizer.param_groups
+    scheduled = [g["lr"] for g in groups]
+    for g, lr in zip(groups, scheduled):
+        g["lr"] = lr * factor
+    try:
+        yield scheduled
+    finally:
+        for g, lr in zip(groups, scheduled):
+            g["lr"] = lr
+
+
+def grads_are_finite(chunks, group=None) -> bool:
+    """True when every rank's gradients are finite (all-reduced, so all ranks agree on skipping)."""
+    bad = torch.zeros(1)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+    if torch.cuda.is_available():
+        bad = bad.cuda()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(bad.item() == 0)
+
+
+def zero_grads(chunks, optimizer) -> None:
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    optimizer.zero_grad()

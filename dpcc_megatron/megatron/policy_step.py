@@ -1,0 +1,191 @@
+"""RL micro-batches through Megatron's pipeline schedule.
+
+One code path serves three passes:
+- forward-only log-probs (old policy, reference policy),
+- the policy-loss update (any registered loss from :mod:`dpcc_megatron.algo`),
+- the supervised warm-start (negative log-likelihood of the response).
+
+Exact normalisation. Megatron's schedule divides each micro-batch loss by the number
+of micro-batches and DDP averages gradients over the data-parallel ranks. Our losses
+instead return exact *contributions* to the full mini-batch loss (each micro-batch
+divides by the global counts of a :class:`~dpcc_megatron.algo.LossNormalizer`), so we
+pre-multiply by ``num_microbatches * dp_size``; Megatron's averaging cancels it and the
+result equals one rank on the full batch, for token-mean and sequence-mean losses alike.
+
+Layout. ``tokens`` [N, L] hold prompt + response; per-token tensors ([N, L-1]) are
+aligned with the *targets* ``tokens[:, 1:]``: position t scores token t+1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algo import LossNormalizer, combine_metrics, get_policy_loss
+from ..config import LossConfig
+from .vocab_parallel import vocab_parallel_token_stats
+
+
+@dataclass
+class RLBatch:
+    """One data-parallel rank's samples."""
+
+    tokens: torch.Tensor
+    """[N, L] long: prompt + response, right-padded."""
+    mask: torch.Tensor
+    """[N, L-1] bool: targets that are response tokens."""
+    old_logprobs: Optional[torch.Tensor] = None
+    """[N, L-1] fp32: log pi_old of the targets (recomputed by the trainer)."""
+    advantages: Optional[torch.Tensor] = None
+    """[N] fp32."""
+    ref_logprobs: Optional[torch.Tensor] = None
+    """[N, L-1] fp32, when a reference-KL penalty is on."""
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx) -> "RLBatch":
+        return RLBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
+                          for f in fields(self)})
+
+    def split(self, size: int) -> list["RLBatch"]:
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+
+# loss_fn(logprobs [n, L-1] fp32 with grad, entropy [n, L-1], batch) -> (contribution, metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor, RLBatch], tuple[torch.Tensor, dict]]
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forward_only: bool,
+                 vocab_size: int, dp_size: int, with_entropy: bool = True) -> list[dict]:
+    """Run the micro-batches through ``get_forward_backward_func``; returns the last stage's outputs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n_micro = len(micro_batches)
+    seq_len = micro_batches[0].tokens.shape[1] - 1
+    mbs = micro_batches[0].tokens.shape[0]
+    if any(mb.tokens.shape != micro_batches[0].tokens.shape for mb in micro_batches):
+        raise ValueError("all micro-batches of one schedule call must have the same shape")
+    tp_group = ps.get_tensor_model_parallel_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    it = iter(micro_batches)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        tokens = mb.tokens.to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+        output = model(inputs, pos, attention_mask=None)
+
+        def loss_func(logits):
+            # logits: [n, L-1, V/tp] on the last stage; the op accumulates in fp32 chunk by chunk.
+            stats = vocab_parallel_token_stats(logits, targets, group=tp_group, vocab_size=vocab_size,
+                                               with_entropy=with_entropy)
+            contribution, metrics = loss_fn(stats.logprobs, stats.entropy, mb)
+            metrics = dict(metrics)
+            metrics["nonfinite_logits"] = stats.nonfinite.detach().float()
+            return contribution * (n_micro * dp_size), metrics
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=it, model=list(chunks), num_microbatches=n_micro,
+        seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)
+
+
+def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_size: int, dp_size: int):
+    """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    def collect(logprobs, entropy, mb):
+        return torch.zeros((), device=logprobs.device), {"logprobs": logprobs.detach(),
+                                                           "entropy": entropy.detach()}
+
+    for c in chunks:
+        c.eval()
+    with torch.no_grad():
+        out = run_schedule(chunks, batch.split(micro_batch_size), collect, forward_only=True,
+                           vocab_size=vocab_size, dp_size=dp_size)
+    for c in chunks:
+        c.train()
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None, None
+    return torch.cat([o["logprobs"] for o in out]), torch.cat([o["entropy"] for o in out])
+
+
+def global_normalizer(batch: RLBatch, dp_group) -> LossNormalizer:
+    """Counts of the whole mini-batch across data-parallel ranks (SUM counts, MAX length)."""
+    local = LossNormalizer.from_mask(batch.mask)
+    sums = torch.tensor([local.num_tokens, local.num_seqs, local.num_rows], dtype=torch.float64)
+    length = torch.tensor([float(local.max_len)], dtype=torch.float64)
+    if torch.cuda.is_available():
+        sums, length = sums.cuda(), length.cuda()
+    if dist.is_initialized():
+        dist.all_reduce(sums, group=dp_group)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=dp_group)
+    return LossNormalizer(num_tokens=float(sums[0]), num_seqs=float(sums[1]), num_rows=float(sums[2]),
+                          max_len=int(length[0]))
+
+
+def policy_loss_fn(loss_cfg: LossConfig, normalizer: LossNormalizer) -> LossFn:
+    loss = get_policy_loss(loss_cfg.name)
+
+    def fn(logprobs, entropy, mb: RLBatch):
+        contribution, metrics = loss(logprobs, mb.old_logprobs.to(logprobs.device),
+                                     mb.advantages.to(logprobs.device), mb.mask.to(logprobs.device),
+                                     config=loss_cfg, normalizer=normalizer,
+                                     ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(logprobs.device))
+        mask = mb.mask.to(logprobs.device)
+        n = mask.sum().clamp(min=1)
+        metrics["entropy"] = (entropy.detach() * mask).sum() / n
+        metrics["nll"] = -(logprobs.detach() * mask).sum() / n
+        return contribution, metrics
+
+    return fn
+
+
+def sft_loss_fn(normalizer: LossNormalizer) -> LossFn:
+    """Token-mean negative log-likelihood of the response tokens (the warm-start)."""
+
+    def fn(logprobs, entropy, mb: RLBatch):
+        mask = mb.mask.to(logprobs.device)
+        nll = -(logprobs * mask).sum() / max(normalizer.num_tokens, 1.0)
+        n = mask.sum().float()
+        return nll, {"pg_loss": nll.detach(), "num_tokens": n,
+                     "entropy": (entropy.detach() * mask).sum() / n.clamp(min=1)}
+
+    return fn
+
+
+EXTRA_REDUCTIONS = {"entropy": ("mean", "num_tokens"), "nll": ("mean", "num_tokens"),
+                    "nonfinite_logits": ("sum", None)}
+
+
+def reduce_step_metrics(outputs: list[dict], dp_group, pp_group) -> dict[str, float]:
+    """Combine micro-batch metrics over DP (last stage), then share them with every pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    parts = [{k: float(v) for k, v in o.items() if torch.as_tensor(v).numel() == 1} for o in outputs] if last else []
+    if dist.is_initialized() and last and dist.get_world_size(dp_group) > 1:
+        gathered: list = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(gathered, parts, group=dp_group)
+        parts = [p for g in gathered for p in g]
+    merged = combine_metrics(parts, EXTRA_REDUCTIONS) if last else {}
+    if dist.is_initialized() and dist.get_world_size(pp_group) > 1:
+        box = [merged]
+        src = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=src, group=pp_group)
+        merged = box[0]
+    return merged
+
+
+__all__ = ["RLBatch", "compute_logprobs", "global_normalizer", "policy_loss_fn", "reduce_step_metrics",
+           "run_schedule", "sft_loss_fn"]

@@ -1,0 +1,1 @@
+"""The RL training loop (rollout -> rewards -> advantages -> log-probs -> K inner updates -> metrics)."""

@@ -1,0 +1,283 @@
+"""Everything one rank holds during a run: process groups, model, optimizer, data, reward, monitor."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig, to_dict
+from ..data.prompts import PromptDataset, load_jsonl_prompts, synthetic_prompts
+from ..data.tokenizer import build_tokenizer
+from ..megatron.policy_step import RLBatch, compute_logprobs
+
+
+@dataclass
+class RunContext:
+    cfg: JobConfig
+    rank: int
+    world: int
+    dp: int
+    dp_rank: int
+    mp_rank: int
+    dp_group: object
+    pp_group: object
+    tp_group: object
+    mp_group: object
+    chunks: list
+    tokenizer: object
+    dataset: PromptDataset
+    eval_prompts: list
+    reward: object
+    vocab_size: int
+    out_dir: Path
+    optimizer: object = None
+    scheduler: object = None
+    monitor: object = None
+    detector: object = None
+    tb: object = None
+    consumed_samples: int = 0
+    resumed_state: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0})
+    alerts: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+
+    # -- optimizers -------------------------------------------------------------------------------
+    def build_optimizer(self, lr: Optional[float] = None):
+        import dataclasses
+
+        from ..megatron.optimizer import build_optimizer
+
+        optim = self.cfg.optim if lr is None else dataclasses.replace(self.cfg.optim, lr=lr, min_lr=0.0)
+        return build_optimizer(self.chunks, optim, self.cfg.parallel, self.cfg.precision)
+
+    def build_rl_optimizer(self, total_steps: int) -> None:
+        from ..megatron.optimizer import build_scheduler
+
+        self.optimizer = self.build_optimizer()
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, total_steps)
+
+    # -- passes -----------------------------------------------------------------------------------
+    def logprobs(self, batch: RLBatch):
+        return compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
+                                vocab_size=self.vocab_size, dp_size=self.dp)
+
+    def sft_batch(self, step: int) -> RLBatch:
+        """Gold prompt+answer pairs of the synthetic task (this DP rank's share)."""
+        from .rollout import pack_sequences
+
+        n = self.cfg.train.mini_batch_size
+        prompts = synthetic_prompts(self.cfg.data.synthetic_task, self.cfg.data.synthetic_digits, n,
+                                    seed=self.cfg.train.seed * 31 + step + 1)
+        mine = prompts[self.dp_rank::self.dp]
+        pids = [self.tokenizer.encode(p.text) for p in mine]
+        rids = [self.tokenizer.encode(p.fields["answer"]) + [self.tokenizer.eos_id] for p in mine]
+        tokens, mask = pack_sequences(pids, rids, self.tokenizer.pad_id)
+        return RLBatch(tokens=tokens, mask=mask)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"tensor_model_parallel_size": p.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
+                "data_parallel_size": self.dp, "use_distributed_optimizer": p.use_distributed_optimizer}
+
+    def save(self, iteration: int, controller, summary: dict) -> None:
+        from ..megatron.checkpoint import save_checkpoint
+
+        state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
+                 "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
+                 "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
+                 "reward_before": summary.get("reward_before"),
+                 "detector": self.detector.state_dict() if self.detector is not None else None}
+        local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
+        path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
+                               state, keep_last=self.cfg.checkpoint.keep_last)
+        torch.save(local, path / "rng" / f"local{self.rank}.pt")
+        if self.rank == 0:
+            print(f"[dpcc] saved checkpoint {path}", flush=True)
+
+    def resume(self, controller) -> int:
+        """Load the latest checkpoint of checkpoint.dir per checkpoint.resume; returns the start iteration."""
+        from ..megatron.checkpoint import load_checkpoint, latest_checkpoint
+        from .trainer_totals import total_optimizer_steps
+
+        ck = self.cfg.checkpoint
+        path = latest_checkpoint(ck.dir) if (ck.dir and ck.resume != "never") else None
+        if path is None:
+            if ck.resume == "required":
+                raise FileNotFoundError(f"checkpoint.resume is 'required' but {ck.dir} has no checkpoint "
+                                        "(set checkpoint.resume=auto to start fresh)")
+            return 0
+        self.build_rl_optimizer(total_optimizer_steps(self.cfg))
+        current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
+        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current)
+        controller.load_state_dict(state["controller"])
+        self.dataset.load_state_dict(state["dataset"])
+        self.consumed_samples = state["consumed_samples"]
+        self.counters.update(state["counters"])
+        if self.detector is not None and state.get("detector"):
+            self.detector.load_state_dict(state["detector"])
+        local = path / "rng" / f"local{self.rank}.pt"
+        if local.is_file() and self.mp_rank == 0:
+            saved = torch.load(local, weights_only=False)
+            if saved.get("reward") is not None:
+                self.reward.load_state_dict(saved["reward"])
+        self.resumed_state = state
+        if self.rank == 0:
+            print(f"[dpcc] resumed from {path} at iteration {state['iteration']}", flush=True)
+        return int(state["iteration"])
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def logprob_stats(self, batch, rollouts, old_lp, entropy) -> dict:
+        """Computed on the last pipeline stage, shared with every stage (rank 0 logs them)."""
+        from megatron.core import parallel_state as ps
+
+        from .metrics import logprob_stats
+
+        stats = logprob_stats(batch, rollouts, old_lp, entropy) if old_lp is not None else None
+        if dist.is_initialized() and dist.get_world_size(self.pp_group) > 1:
+            box = [stats]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+            stats = box[0]
+        return stats or {}
+
+    def iteration_record(self, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps,
+                         controller, seconds) -> dict:
+        from .metrics import build_record
+
+        return build_record(self, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps,
+                            controller, seconds)
+
+    def monitor_exchange(self, record: dict) -> Optional[str]:
+        """Rank 0 sends the record and polls advice; every rank gets the same action back."""
+        action = None
+        if self.rank == 0:
+            if self.detector is not None:
+                for alert in self.detector.update(record):
+                    self.alerts.append({"rule": alert.rule, "iteration": alert.iteration,
+                                        "severity": alert.severity, "message": alert.message})
+                    print(f"[dpcc] ALERT {alert.severity} {alert.rule} @ {alert.iteration}: {alert.message}",
+                          flush=True)
+            if self.monitor is not None:
+                self.monitor.send(record)
+                advice = self.monitor.poll_control()
+                if advice is not None and advice.action != "none" and self.cfg.monitor.control_enabled:
+                    action = advice.action
+                    print(f"[dpcc] monitor advice: {advice.action} ({advice.reason})", flush=True)
+        if dist.is_initialized() and self.world > 1:
+            box = [action]
+            dist.broadcast_object_list(box, src=0)
+            action = box[0]
+        return action
+
+    def alerts_seen(self) -> list:
+        return list(self.alerts)
+
+    def finish(self, summary: dict) -> None:
+        if self.rank == 0:
+            summary["records"] = len(self.records)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.out_dir / "metrics.jsonl", "w") as f:
+                for r in self.records:
+                    f.write(json.dumps(r) + "\n")
+            (self.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+            if self.monitor is not None:
+                self.monitor.close(timeout=5.0)
+            if self.tb is not None:
+                self.tb.close()
+        close = getattr(self.reward, "close", None)
+        if close:
+            close()
+
+
+def setup_run(cfg: JobConfig) -> RunContext:
+    from megatron.core import parallel_state as ps
+
+    from ..launch.ranks import discover_ranks, export_torch_env
+    from ..megatron.model import build_gpt_model, padded_vocab_size
+    from ..megatron.optimizer import wrap_ddp
+    from ..megatron.parallel import data_parallel_size, init_distributed, init_model_parallel
+    from ..rewards import DualTrackReward
+
+    info = discover_ranks()
+    export_torch_env(info)
+    if not torch.cuda.is_available():
+        from ..testing import enable_cpu_megatron
+
+        enable_cpu_megatron()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
+    init_distributed(cfg.parallel.backend, cfg.parallel.distributed_timeout_minutes)
+    dp = data_parallel_size(cfg.parallel, dist.get_world_size())
+    _check_batch_layout(cfg, dp)
+    torch.manual_seed(cfg.train.seed)
+    init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer.vocab_size} tokens")
+    if cfg.data.prompts:
+        prompts = load_jsonl_prompts(cfg.data.prompts)
+        eval_prompts = prompts[: min(64, len(prompts))]
+    else:
+        prompts = synthetic_prompts(cfg.data.synthetic_task, cfg.data.synthetic_digits, 4096, seed=cfg.train.seed)
+        eval_prompts = synthetic_prompts(cfg.data.synthetic_task, cfg.data.synthetic_digits, 64,
+                                         seed=cfg.train.seed + 99991)
+    dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+
+    chunks = [build_gpt_model(cfg.model, cfg.parallel, cfg.precision)]
+    if cfg.checkpoint.load:
+        from ..convert import load_mcore_checkpoint
+
+        load_mcore_checkpoint(chunks, cfg.checkpoint.load)
+    tcfg = chunks[0].config
+    chunks = wrap_ddp(chunks, tcfg, cfg.parallel)
+    from megatron.core.distributed import finalize_model_grads
+
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.no_sync_func = chunks[0].no_sync
+
+    rank = dist.get_rank()
+    mp_group = ps.get_model_parallel_group()
+    out_dir = Path(cfg.train.output_dir)
+    ctx = RunContext(
+        cfg=cfg, rank=rank, world=dist.get_world_size(), dp=dp, dp_rank=ps.get_data_parallel_rank(),
+        mp_rank=dist.get_rank(mp_group), dp_group=ps.get_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+        mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
+        reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir)
+    if rank == 0:
+        from ..monitor.detector import CollapseDetector
+
+        ctx.detector = CollapseDetector(cfg.monitor)
+        if cfg.monitor.enabled and cfg.monitor.address:
+            from ..monitor.client import MonitorClient
+
+            ctx.monitor = MonitorClient.from_config(cfg.monitor, output_dir=str(out_dir))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            ctx.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        except Exception as e:  # tensorboard is optional at run time
+            print(f"[dpcc] TensorBoard disabled: {e}", flush=True)
+    return ctx
+
+
+def _check_batch_layout(cfg: JobConfig, dp: int) -> None:
+    r, t = cfg.rollout, cfg.train
+    samples = r.prompts_per_iteration * r.group_size
+    if r.prompts_per_iteration % dp:
+        raise ValueError(f"rollout.prompts_per_iteration={r.prompts_per_iteration} must be divisible by the "
+                         f"data-parallel size {dp}")
+    if samples % t.mini_batch_size:
+        raise ValueError(f"prompts_per_iteration*group_size={samples} must be a multiple of "
+                         f"train.mini_batch_size={t.mini_batch_size}")
+    if t.mini_batch_size % (dp * t.micro_batch_size):
+        raise ValueError(f"train.mini_batch_size={t.mini_batch_size} must be a multiple of "
+                         f"data-parallel size {dp} x train.micro_batch_size={t.micro_batch_size}")

@@ -1,0 +1,74 @@
+"""The per-iteration metric record: the monitor's field names, one flat dict of floats."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..algo import combine_metrics
+from ..megatron.policy_step import EXTRA_REDUCTIONS
+
+
+def _f(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def logprob_stats(batch, rollouts, old_lp, entropy) -> dict:
+    """Entropy, perplexity and sampler/trainer mismatch from the trainer's old-policy forward."""
+    mask = batch.mask
+    n = mask.sum().clamp(min=1)
+    sampler = rollouts.sampler_logprob_matrix(mask)
+    diff = (sampler - old_lp) * mask  # log p_sampler - log p_trainer on the sampled tokens
+    return {
+        "entropy": float((entropy * mask).sum() / n),
+        "perplexity": float(torch.exp(-(old_lp * mask).sum() / n)),
+        "mismatch_kl": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / n),  # k3 KL(sampler || trainer)
+        "mismatch_max_abs": float(diff.abs().max()) if mask.any() else 0.0,
+    }
+
+
+def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps, controller,
+                 seconds) -> dict:
+    from ..monitor.metrics import entropy_fraction, response_metrics
+
+    cfg = ctx.cfg
+    taken = [s for s in steps if not s.skipped]
+    merged = combine_metrics([{k: v for k, v in s.metrics.items()} for s in steps], EXTRA_REDUCTIONS) if steps else {}
+    est = cfg.loss.dpcc.kl_estimator
+    rec = {
+        "iteration": iteration,
+        "consumed_samples": ctx.consumed_samples + len(rollouts.prompts) * ctx.dp,
+        "reward_mean": _f(rewards.total.mean()),
+        "reward_std": _f(rewards.total.std(correction=0)),
+        "reward_base_mean": _f(rewards.base.mean()),
+        "kl_old_new": _f(merged.get(f"kl_{est}", float("nan"))),
+        "kl_estimator": est,
+        "clip_frac": _f(merged.get("clip_frac_low", 0.0)) + _f(merged.get("clip_frac_high", 0.0)),
+        "ratio_max": _f(merged.get("ratio_max", float("nan"))),
+        "sample_utilization": _f(merged.get("utilisation", float("nan"))),
+        "pg_loss": _f(merged.get("pg_loss", float("nan"))) / max(len(steps), 1),
+        "tau": _f(merged.get("tau", controller.tau)),
+        "lr": _f(taken[-1].lr) if taken else 0.0,
+        "lr_factor": _f(steps[-1].lr_factor) if steps else 1.0,
+        "lr_factor_min": min((_f(s.lr_factor) for s in steps), default=1.0),
+        "grad_norm": _f(taken[-1].grad_norm) if taken else float("nan"),
+        "steps_taken": ctx.counters["steps_taken"],
+        "steps_skipped": ctx.counters["steps_skipped"],
+        "update_frequency": len(taken) / max(len(steps), 1),
+        "zero_var_frac": _f(adv_metrics.get("zero_variance_frac", 0.0)),
+        "response_len": sum(len(r) for r in rollouts.response_ids) / max(len(rollouts.response_ids), 1),
+        "seconds": seconds,
+    }
+    rec.update({k.replace("reward/", "reward_"): _f(v) for k, v in rewards.metrics.items()
+                if isinstance(v, (int, float))})
+    rec.update(lp_stats)
+    rec.update(response_metrics(token_seqs=rollouts.response_ids, texts=rollouts.texts))
+    if "entropy" in lp_stats:
+        rec["entropy_frac"] = entropy_fraction(lp_stats["entropy"], ctx.vocab_size)
+    tokens = int(batch.mask.sum()) * ctx.dp
+    rec["tokens_per_s"] = tokens / max(seconds, 1e-9)
+    rec.update({k: v for k, v in controller.metrics().items() if not math.isnan(v)})
+    return rec

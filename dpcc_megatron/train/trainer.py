@@ -1,0 +1,151 @@
+"""The DPCC training loop, readable top to bottom.
+
+Every rank runs :func:`train`. One iteration:
+
+1. draw prompts (same on every rank; each data-parallel rank takes its share),
+2. sample G responses per prompt with the policy itself (TP/PP collective),
+3. score them with the dual-track reward, compute group advantages,
+4. recompute old-policy log-probs in the trainer (sampler log-probs kept for the mismatch metric),
+5. K inner epochs of mini-batch updates with the DPCC controller and drift-aware LR,
+6. log, send metrics to the monitor sidecar, act on its advice, checkpoint.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..algo import DPCCController, group_advantages
+from ..config import JobConfig
+from .context import RunContext, setup_run
+from .logging import ConsoleLogger
+from .rollout import RolloutBatch, evaluate_greedy, make_rollouts, score_rollouts
+from .trainer_totals import total_optimizer_steps
+from .update import policy_update, sft_update
+
+
+class _Signals:
+    """SIGTERM/SIGINT/SIGUSR1 ask for a checkpoint and a clean exit at the end of the iteration."""
+
+    def __init__(self) -> None:
+        self.requested = None
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (tests)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+
+def _agree(flag: float, op=dist.ReduceOp.MAX) -> float:
+    t = torch.tensor([float(flag)])
+    if torch.cuda.is_available():
+        t = t.cuda()
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def warm_start(ctx: RunContext) -> None:
+    """Supervised phase on the synthetic task's gold answers, so RL starts from a nonzero reward."""
+    cfg = ctx.cfg
+    if cfg.train.warmup_sft_steps == 0:
+        return
+    optimizer = ctx.build_optimizer(lr=cfg.train.warmup_sft_lr)
+    for step in range(cfg.train.warmup_sft_steps):
+        batch = ctx.sft_batch(step)
+        res = sft_update(ctx.chunks, optimizer, batch, cfg, dp_size=ctx.dp, dp_group=ctx.dp_group,
+                         pp_group=ctx.pp_group, vocab_size=ctx.vocab_size)
+        if ctx.rank == 0 and (step % 10 == 0 or step == cfg.train.warmup_sft_steps - 1):
+            print(f" warm-start step {step + 1}/{cfg.train.warmup_sft_steps} | nll {res.metrics.get('pg_loss', 0):.4f}",
+                  flush=True)
+
+
+def train(cfg: JobConfig) -> dict:
+    ctx = setup_run(cfg)
+    signals = _Signals()
+    log = ConsoleLogger(ctx)
+    total_steps = total_optimizer_steps(cfg)
+    controller = DPCCController(cfg.loss.dpcc, total_steps)
+    monitor_lr_scale = 1.0
+    consecutive_skips = 0
+    summary: dict = {"alerts": []}
+
+    start_iteration = ctx.resume(controller)
+    if start_iteration == 0:
+        warm_start(ctx)
+        ctx.build_rl_optimizer(total_steps)
+        summary["reward_before"] = evaluate_greedy(ctx)
+    else:
+        summary["reward_before"] = ctx.resumed_state.get("reward_before")
+
+    iteration = start_iteration
+    stop_reason = "completed"
+    while iteration < cfg.train.iterations:
+        t0 = time.time()
+        prompts = ctx.dataset.next_batch(cfg.rollout.prompts_per_iteration)
+        rollouts: RolloutBatch = make_rollouts(ctx, prompts, iteration)
+        rewards = score_rollouts(ctx, rollouts)
+        adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
+                                            cfg.loss.advantage_eps, per_component=cfg.loss.advantage_per_component,
+                                            weights=rewards.weights)
+        batch = rollouts.to_batch(adv)
+        old_lp, entropy = ctx.logprobs(batch)
+        batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
+        lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
+
+        steps, step_metrics = 0, []
+        mini = cfg.train.mini_batch_size // ctx.dp
+        for epoch in range(cfg.train.inner_epochs):
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
+                cfg.train.seed * 7919 + iteration * 101 + epoch))
+            for start in range(0, len(batch), mini):
+                res = policy_update(ctx.chunks, ctx.optimizer, ctx.scheduler, controller,
+                                    batch.select(order[start:start + mini]), cfg, dp_size=ctx.dp,
+                                    dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size,
+                                    monitor_lr_scale=monitor_lr_scale)
+                steps += 1
+                step_metrics.append(res)
+                ctx.counters["steps_skipped" if res.skipped else "steps_taken"] += 1
+                consecutive_skips = consecutive_skips + 1 if res.skipped else 0
+
+        record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
+                                      step_metrics, controller, time.time() - t0)
+        log.line(record)
+        advice = ctx.monitor_exchange(record)
+        if advice == "reduce_lr":
+            monitor_lr_scale *= cfg.monitor.reduce_lr_factor
+        summary["alerts"] = ctx.alerts_seen()
+        iteration += 1
+        ctx.consumed_samples += len(prompts) * cfg.rollout.group_size
+
+        stop = _agree(1.0 if signals.requested else 0.0) > 0
+        if consecutive_skips >= cfg.train.max_consecutive_skips:
+            stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
+            stop = True
+        elif stop:
+            stop_reason = f"stopped by {signals.requested or 'a signal on another rank'}"
+        if advice == "checkpoint_and_pause":
+            stop_reason, stop = "paused by the monitor's advice", True
+        interval = cfg.checkpoint.save_interval
+        if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
+            ctx.save(iteration, controller, summary)
+        if stop:
+            break
+
+    summary["reward_after"] = evaluate_greedy(ctx)
+    summary.update(iterations=iteration, stop_reason=stop_reason, kl_last=controller.last_kl,
+                   tau_last=controller.tau, lr_factor_last=controller.lr_factor,
+                   steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
+                   prompts_truncated=ctx.counters["prompts_truncated"])
+    if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
+            cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
+        ctx.save(iteration, controller, summary)
+    ctx.finish(summary)
+    if ctx.rank == 0:
+        print(f"[dpcc] {stop_reason}: reward {summary['reward_before']} -> {summary['reward_after']}", flush=True)
+    return summary

@@ -1,0 +1,72 @@
+"""One optimizer step of the policy: forward/backward through the schedule, the DPCC
+controller, the drift-aware LR and the non-finite skip.
+
+Drift measurement (issue: react before the next step, without an extra forward).
+The KL(pi_old || pi_theta) of mini-batch j is measured by mini-batch j's own forward,
+which runs on the weights left by step j-1. So it *is* the drift after step j-1, and
+it feeds step j's LR factor before step j's ``optimizer.step()``. tau_t of step j's
+loss was fixed from the observations up to j-1, because the loss is computed in that
+same forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..algo import DPCCController
+from ..config import JobConfig
+from ..megatron.optimizer import grads_are_finite, scaled_lr, zero_grads
+from ..megatron.policy_step import (RLBatch, global_normalizer, policy_loss_fn, reduce_step_metrics,
+                                    run_schedule, sft_loss_fn)
+
+
+@dataclass
+class StepResult:
+    metrics: dict
+    skipped: bool
+    grad_norm: float
+    lr: float
+    lr_factor: float
+
+
+def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, float, float]:
+    """Skip on non-finite gradients (all ranks agree); otherwise step at scheduled LR x factor."""
+    if not grads_are_finite(chunks):
+        zero_grads(chunks, optimizer)
+        return True, float("nan"), 0.0
+    with scaled_lr(optimizer, factor) as scheduled:
+        ok, grad_norm, _ = optimizer.step()
+    lr = scheduled[0] * factor if scheduled else 0.0
+    if scheduler is not None:
+        scheduler.step(1)
+    # Megatron's fp16 optimizer reports an overflow step as not successful: count it as skipped.
+    return (not ok), float(grad_norm) if grad_norm is not None else float("nan"), lr
+
+
+def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batch: RLBatch, cfg: JobConfig,
+                  *, dp_size: int, dp_group, pp_group, vocab_size: int, monitor_lr_scale: float = 1.0) -> StepResult:
+    zero_grads(chunks, optimizer)
+    normalizer = global_normalizer(batch, dp_group)
+    loss_cfg = controller.loss_config(cfg.loss)
+    outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), policy_loss_fn(loss_cfg, normalizer),
+                           forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
+    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
+    kl = metrics.get(f"kl_{cfg.loss.dpcc.kl_estimator}", metrics.get("kl_k3", 0.0))
+    controller.observe(kl)
+    factor = controller.lr_factor * monitor_lr_scale
+    if metrics.get("nonfinite_logits", 0.0) > 0:
+        zero_grads(chunks, optimizer)
+        return StepResult(metrics, True, float("nan"), 0.0, factor)
+    skipped, grad_norm, lr = _optimizer_step(chunks, optimizer, scheduler, factor)
+    return StepResult(metrics, skipped, grad_norm, lr, factor)
+
+
+def sft_update(chunks, optimizer, batch: RLBatch, cfg: JobConfig, *, dp_size: int, dp_group,
+               pp_group, vocab_size: int) -> StepResult:
+    zero_grads(chunks, optimizer)
+    normalizer = global_normalizer(batch, dp_group)
+    outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), sft_loss_fn(normalizer),
+                           forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
+    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
+    # The warm-start has its own constant-LR optimizer, discarded before RL starts.
+    skipped, grad_norm, lr = _optimizer_step(chunks, optimizer, None, 1.0)
+    return StepResult(metrics, skipped, grad_norm, lr, 1.0)
