@@ -12,7 +12,10 @@ import sys
 
 # name -> (module, one-line help). Order is the order shown by --help.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("dpcc_megatron.commands.demo", "the CPU demo: warm-start + DPCC RL at TP=2 with the monitor sidecar"),
+    "train": ("dpcc_megatron.commands.train", "run DPCC RL training on every rank (torchrun, srun, mpirun)"),
     "monitor": ("dpcc_megatron.commands.monitor", "metrics sidecar: serve, replay a metric stream, report"),
+    "reward": ("dpcc_megatron.commands.reward", "score samples offline with the dual-track reward"),
 }
 
 
