@@ -49,7 +49,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, mode: str = "grpo",
     if r.dim() == 1:
         r = r.unsqueeze(-1)
     k = r.shape[1]
-    w = torch.ones(k, dtype=r.dtype) if weights is None else torch.as_tensor(weights, dtype=r.dtype)
+    w = torch.ones(k, dtype=r.dtype, device=r.device) if weights is None \
+        else torch.as_tensor(weights, dtype=r.dtype, device=r.device)
     if w.shape != (k,):
         raise ValueError(f"weights must have {k} entries, got shape {tuple(w.shape)}")
     total = r @ w
@@ -60,14 +61,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, mode: str = "grpo",
     else:
         adv, const = _normalise(total, group_size, mode, eps)
     num_groups = const.numel()
+    zero = torch.zeros((), device=r.device)
     metrics = {
-        "num_groups": torch.tensor(float(num_groups)),
+        "num_groups": torch.full((), float(num_groups), device=r.device),
         "zero_variance_groups": const.sum().float(),
-        "zero_variance_frac": const.float().mean() if num_groups else torch.tensor(0.0),
-        "reward_mean": total.mean() if total.numel() else torch.tensor(0.0),
-        "reward_std": total.std(correction=0) if total.numel() else torch.tensor(0.0),
-        "adv_mean": adv.mean() if adv.numel() else torch.tensor(0.0),
-        "adv_std": adv.std(correction=0) if adv.numel() else torch.tensor(0.0),
+        "zero_variance_frac": const.float().mean() if num_groups else zero,
+        "reward_mean": total.mean() if total.numel() else zero,
+        "reward_std": total.std(correction=0) if total.numel() else zero,
+        "adv_mean": adv.mean() if adv.numel() else zero,
+        "adv_std": adv.std(correction=0) if adv.numel() else zero,
     }
     return adv, {name: v.detach().float() for name, v in metrics.items()}
 
@@ -80,5 +82,5 @@ def _normalise(x: torch.Tensor, group_size: int, mode: str, eps: float) -> tuple
     centred = g - g.mean(-1, keepdim=True)
     if mode == "grpo" and group_size > 1:
         centred = centred / (g.std(-1, keepdim=True) + eps)
-    adv = torch.where(const.unsqueeze(-1), torch.zeros((), dtype=g.dtype), centred)
+    adv = torch.where(const.unsqueeze(-1), 0.0, centred)
     return adv.reshape(-1), const

@@ -88,7 +88,7 @@ def aggregate(token_losses: torch.Tensor, response_mask: torch.Tensor, aggregati
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
     mask = response_mask.bool()
-    masked = torch.where(mask, token_losses, torch.zeros((), dtype=token_losses.dtype))
+    masked = torch.where(mask, token_losses, 0.0)
     if aggregation == "token_mean":
         total = masked.sum()
         denom = mask.sum() if normalizer is None else _need(normalizer, "num_tokens", aggregation)

@@ -33,4 +33,4 @@ def dpcc(x: TokenInputs, cfg: LossConfig) -> TokenTerms:
     with torch.no_grad():
         below, above = x.mask & (x.ratio < 1.0 / tau), x.mask & (x.ratio > tau)
     return TokenTerms(loss=loss, below=below, above=above, active=x.mask,
-                      extras={"tau": torch.tensor(float(tau))})
+                      extras={"tau": torch.full((), float(tau), device=loss.device)})

@@ -60,7 +60,7 @@ def kl_token_mean(sample_logprobs: torch.Tensor, target_logprobs: torch.Tensor, 
     with torch.no_grad():
         mask = response_mask.bool()
         terms = kl_terms(sample_logprobs.detach(), target_logprobs.detach(), estimator, clamp)
-        total = torch.where(mask, terms, torch.zeros((), dtype=terms.dtype)).sum()
+        total = torch.where(mask, terms, 0.0).sum()
         return total / mask.sum().clamp(min=1)
 
 
@@ -78,11 +78,10 @@ def ref_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_
         and the detached KL token mean of this batch.
     """
     mask = response_mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype)
     # Masking the inputs (not only the terms) keeps padding garbage out of the gradient.
-    terms = kl_terms(torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), zero),
+    terms = kl_terms(torch.where(mask, logprobs, 0.0), torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), 0.0),
                      estimator, clamp)
     penalty = coef * aggregate(terms, mask, aggregation, normalizer)
     with torch.no_grad():
-        kl = torch.where(mask, terms, torch.zeros((), dtype=terms.dtype)).sum() / mask.sum().clamp(min=1)
+        kl = torch.where(mask, terms, 0.0).sum() / mask.sum().clamp(min=1)
     return penalty, kl.detach()

@@ -76,7 +76,6 @@ def token_metrics(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
                   below: torch.Tensor, above: torch.Tensor, active: torch.Tensor) -> dict[str, torch.Tensor]:
     """The shared metrics of one loss call; all inputs [B, T], ``log_ratio`` already clamped."""
     lr = log_ratio.detach().float()
-    zero = torch.zeros((), dtype=lr.dtype)
     n_tok = mask.sum().float()
     denom = n_tok.clamp(min=1)
     ratio = torch.exp(lr)
@@ -87,11 +86,11 @@ def token_metrics(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     return {
         "clip_frac_low": (below & mask).sum().float() / denom,
         "clip_frac_high": (above & mask).sum().float() / denom,
-        "ratio_mean": torch.where(mask, ratio, zero).sum() / denom,
+        "ratio_mean": torch.where(mask, ratio, 0.0).sum() / denom,
         "ratio_min": torch.where(has_tok, torch.where(mask, ratio, math.inf).amin(), 1.0),
         "ratio_max": torch.where(has_tok, torch.where(mask, ratio, -math.inf).amax(), 1.0),
-        "kl_k1": torch.where(mask, -lr, zero).sum() / denom,
-        "kl_k3": torch.where(mask, torch.expm1(lr) - lr, zero).sum() / denom,
+        "kl_k1": torch.where(mask, -lr, 0.0).sum() / denom,
+        "kl_k3": torch.where(mask, torch.expm1(lr) - lr, 0.0).sum() / denom,
         "utilisation": torch.where(n_adv > 0, used / n_adv.clamp(min=1), 1.0),
         "num_tokens": n_tok,
         "num_adv_tokens": n_adv,

@@ -126,14 +126,13 @@ def prepare_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 inputs: compute in fp32
     mask = response_mask.bool()
-    zero = torch.zeros((), dtype=dtype)
     # torch.where (not multiplication) so inf/NaN padding never reaches values or gradients.
-    lp = torch.where(mask, logprobs.to(dtype), zero)
-    old = torch.where(mask, old_logprobs.detach().to(dtype), zero)
+    lp = torch.where(mask, logprobs.to(dtype), 0.0)
+    old = torch.where(mask, old_logprobs.detach().to(dtype), 0.0)
     adv = advantages.detach().to(dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(lp)
-    adv = torch.where(mask, adv, zero)
+    adv = torch.where(mask, adv, 0.0)
     raw = lp - old
     log_ratio = raw.clamp(-clamp, clamp)
     return TokenInputs(logprobs=lp, log_ratio=log_ratio, ratio=torch.exp(log_ratio),

@@ -85,3 +85,12 @@ def test_metrics_are_finite_detached_scalars():
     _, metrics = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
     assert all(v.dim() == 0 and not v.requires_grad and math.isfinite(float(v)) for v in metrics.values())
     assert float(metrics["reward_mean"]) == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_advantages():
+    r = torch.rand(16, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cpu, _ = group_advantages(r, 4, per_component=True, weights=[1.0, 0.5])
+    gpu, metrics = group_advantages(r.cuda(), 4, per_component=True, weights=[1.0, 0.5])
+    torch.testing.assert_close(gpu.cpu(), cpu)
+    assert all(v.is_cuda for v in metrics.values())

@@ -249,3 +249,17 @@ def test_mask_may_be_float():
     l_bool, _ = fn(lp, old, adv, mask)
     l_float, _ = fn(lp, old, adv, mask.double())
     assert float(l_bool) == float(l_float)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", LOSSES)
+def test_cuda_matches_cpu(name):
+    lp, old, adv, mask = make_batch(22, per_token_adv=True)
+    cfg = LossConfig(ref_kl_coef=0.1)
+    ref_lp = old - 0.1
+    loss_cpu, m_cpu, g_cpu = grad_of(get_policy_loss(name), lp, old, adv, mask, cfg, ref_logprobs=ref_lp)
+    dev = [t.cuda() for t in (lp, old, adv, mask, ref_lp)]
+    loss_gpu, m_gpu, g_gpu = grad_of(get_policy_loss(name), *dev[:4], cfg, ref_logprobs=dev[4])
+    assert float(loss_gpu) == pytest.approx(float(loss_cpu), rel=1e-9)
+    torch.testing.assert_close(g_gpu.cpu(), g_cpu)
+    assert {k: float(v) for k, v in m_gpu.items()} == pytest.approx({k: float(v) for k, v in m_cpu.items()}, rel=1e-5)
