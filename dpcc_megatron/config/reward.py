@@ -76,8 +76,9 @@ class PenaltyConfig:
 
     def validate(self) -> None:
         check(self.max_length >= 0, "max_length", f"must be >= 0, got {self.max_length}")
-        check(0 <= self.overlong_buffer <= self.max_length or self.max_length == 0, "overlong_buffer",
-              f"must be in [0, max_length={self.max_length}], got {self.overlong_buffer}")
+        check(0 <= self.overlong_buffer <= self.max_length, "overlong_buffer",
+              f"must be in [0, max_length={self.max_length}], got {self.overlong_buffer}"
+              + (" (max_length 0 disables the overlong penalty)" if self.max_length == 0 else ""))
         check(self.overlong_coef >= 0, "overlong_coef", f"must be >= 0, got {self.overlong_coef}")
         check(self.repetition_ngram >= 0, "repetition_ngram", f"must be >= 0, got {self.repetition_ngram}")
         check(0 <= self.repetition_threshold < 1, "repetition_threshold",

@@ -26,7 +26,7 @@ from .combine import DynamicWeights, normalize_track
 from .contrastive import OlderPolicyBuffer, advanced_scores, group_index
 from .judges import Judge, build_judge
 from .jsonl import read_eval_set
-from .reliability import (concordance, mean_pairwise_gap, noise_ratio, pearson, within_group_variance,
+from .reliability import (concordance, mean_pairwise_gap, noise_ratio, within_group_pearson, within_group_variance,
                           zero_variance_fraction)
 from .sample import Sample
 
@@ -111,7 +111,7 @@ class DualTrackReward:
         adv, judge_errors = self._advanced(samples, bs.base, messages)
         gidx, _ = group_index(samples)
 
-        agreement = pearson(base, adv) if len(samples) > 1 else None
+        agreement = within_group_pearson(base, adv, gidx) if len(samples) > 1 else None
         label = self._label
         if self.eval_set is not None and (self._label is None or self.step % self.cfg.dynamic.eval_interval == 0):
             label = self._label_agreement()

@@ -2,7 +2,9 @@
 
 * ``within_group_variance`` / ``zero_variance_fraction``: GRPO learns nothing
   from a group whose rewards are all equal, so these track signal availability.
-* ``pearson``: inter-track agreement.
+* ``within_group_pearson``: inter-track agreement on what GRPO uses, the
+  ranking inside each group (the advanced track is group-relative by design,
+  so a batch-level correlation would mostly compare group difficulty).
 * ``concordance``: agreement with human labels, the share of label-ordered pairs
   (within a group) that a track orders the same way; ties count half.
 * ``noise_ratio``: mean |re-score difference| over mean |difference between
@@ -42,6 +44,20 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> Optional[float]:
     if a.numel() < 2 or den <= 1e-12:
         return None
     return float((a * b).sum() / den)
+
+
+def within_group_pearson(a: torch.Tensor, b: torch.Tensor, group_index: torch.Tensor) -> Optional[float]:
+    """Correlation of the group-centred tracks; None when either has no spread inside any group."""
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float64)
+        n = int(group_index.max()) + 1
+        count = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(x))
+        mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, x) / count
+        return x - mean[group_index]
+
+    if a.numel() < 2:
+        return None
+    return pearson(centred(a), centred(b))
 
 
 def concordance(scores: torch.Tensor, labels: torch.Tensor, group_index: torch.Tensor) -> Optional[float]:
