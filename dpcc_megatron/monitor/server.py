@@ -272,6 +272,12 @@ def _make_handler(state: SidecarState, token: str, max_bytes: int):
         def log_message(self, fmt, *args):  # noqa: D401 - route to logging at debug level
             log.debug("%s " + fmt, self.client_address[0], *args)
 
+        def send_error(self, code, message=None, explain=None):
+            # only the base class calls this: unparsable request line/headers, unsupported method
+            state.reject("malformed")
+            self.close_connection = True
+            super().send_error(code, message, explain)
+
         def _send(self, code: int, body: bytes, ctype: str = "application/json", close: bool = False) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)

@@ -1,0 +1,195 @@
+"""Collapse detector rules on synthetic streams."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+from dpcc_megatron.config.monitor import MonitorConfig
+from dpcc_megatron.monitor.alerts import Alert, ControlAdvice, ControlPolicy
+from dpcc_megatron.monitor.detector import CollapseDetector, run_detector
+from dpcc_megatron.monitor.metrics import repetition_stats
+
+
+def stream(field, values, start=0, **extra):
+    return [{"iteration": start + i, field: v, **extra} for i, v in enumerate(values)]
+
+
+def rules(alerts):
+    return [(a.rule, a.iteration) for a in alerts]
+
+
+def test_high_entropy_dpcc_example_with_configured_band():
+    cfg = MonitorConfig(entropy_band=(3.5, 5.0))
+    alerts = run_detector(stream("entropy", [4.2, 4.1, 4.3, 4.2, 6.0, 7.8]), cfg)
+    hi = [a for a in alerts if a.rule == "high_entropy"]
+    assert hi, "4.2 -> 7.8 within 3 steps must fire high_entropy"
+    first = hi[0]
+    assert first.iteration == 4 and first.severity == "critical"
+    assert [v for _, v in first.window][-1] == 6.0 and first.metric == "entropy"
+    assert first.details["band"] == [3.5, 5.0]
+    # healthy stream inside the band: nothing
+    assert run_detector(stream("entropy", [4.2, 4.0, 4.4, 3.9, 4.6, 4.1]), cfg) == []
+
+
+def test_high_entropy_jump_within_window_without_band():
+    cfg = MonitorConfig(entropy_calibration_steps=50)  # band not calibrated yet: jump rule only
+    alerts = run_detector(stream("entropy", [4.2, 4.25, 4.3, 7.8]), cfg)
+    assert rules(alerts) == [("high_entropy", 3)]
+    assert alerts[0].severity == "warning" and alerts[0].details["jump"] > 3.0
+    # the same rise spread over more than 3 steps does not count as a jump
+    slow = run_detector(stream("entropy", [4.2, 4.9, 5.6, 6.3, 7.0, 7.8]), cfg)
+    assert [a for a in slow if a.rule == "high_entropy"] == []
+
+
+def test_entropy_band_is_calibrated_from_first_healthy_steps():
+    cfg = MonitorConfig(entropy_calibration_steps=10)
+    rng = random.Random(0)
+    healthy = [4.0 + rng.uniform(-0.1, 0.1) for _ in range(10)]
+    det = CollapseDetector(cfg)
+    for rec in stream("entropy", healthy):
+        assert det.update(rec) == []
+    assert det.band_source == "calibrated"
+    lo, hi = det.band
+    assert lo < 3.9 and hi > 4.1 and hi < 5.0
+    alerts = det.update({"iteration": 10, "entropy": 6.5})
+    assert rules(alerts) == [("high_entropy", 10)] and alerts[0].severity == "critical"
+
+
+def test_low_entropy_from_repetition_of_zeros():
+    rep = repetition_stats("0000000000000000")
+    assert rep["repetition_rate"] >= 0.8 and rep["longest_repeat"] == 16
+    recs = [{"iteration": 0, "repetition_rate": 0.02, "entropy": 4.0},
+            {"iteration": 1, "repetition_rate": rep["repetition_rate"], "longest_repeat": rep["longest_repeat"],
+             "entropy": 4.0}]
+    alerts = run_detector(recs, MonitorConfig())
+    assert rules(alerts) == [("low_entropy", 1)]
+    assert alerts[0].severity == "critical" and alerts[0].metric == "repetition_rate"
+
+
+def test_low_entropy_below_band_needs_patience_and_is_a_warning():
+    cfg = MonitorConfig(entropy_band=(3.5, 5.0), low_entropy_patience=3)
+    alerts = run_detector(stream("entropy", [4.0, 3.0, 3.1, 4.0, 3.0, 2.9, 2.8]), cfg)
+    assert rules(alerts) == [("low_entropy", 6)]
+    assert alerts[0].severity == "warning" and len(alerts[0].window) == 3
+
+
+def test_kl_three_consecutive_batches_fire_and_name_the_estimator():
+    alerts = run_detector(stream("kl_old_new", [0.1, 0.9, 0.9, 0.9], kl_estimator="k3"))
+    assert rules(alerts) == [("kl_drift", 3)]
+    a = alerts[0]
+    assert "k3" in a.message and a.details["estimator"] == "k3"
+    assert [v for _, v in a.window] == [0.9, 0.9, 0.9]
+
+
+def test_kl_interrupted_run_does_not_fire():
+    assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9])) == []
+    assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9])) == []  # 0.8 is not above 0.8
+
+
+def test_kl_threshold_and_window_are_configurable():
+    cfg = MonitorConfig(kl_threshold=0.3, kl_window=2)
+    assert rules(run_detector(stream("kl_old_new", [0.4, 0.1, 0.4, 0.5]), cfg)) == [("kl_drift", 3)]
+
+
+def test_non_finite_any_field():
+    alerts = run_detector([{"iteration": 0, "entropy": 4.0},
+                           {"iteration": 1, "entropy": 4.0, "grad_norm": math.inf, "my_loss": math.nan}])
+    assert rules(alerts) == [("non_finite", 1)]
+    assert alerts[0].severity == "critical" and alerts[0].details["fields"] == ["grad_norm", "my_loss"]
+
+
+def test_grad_spike_against_recent_median():
+    vals = [1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 9.0, 1.0]
+    alerts = run_detector(stream("grad_norm", vals), MonitorConfig(grad_spike_factor=5.0, grad_spike_min_history=5))
+    assert rules(alerts) == [("grad_spike", 6)]
+    assert alerts[0].details["median"] == 1.0
+    assert run_detector(stream("grad_norm", [1, 1, 1, 1, 1, 4.9])) == []
+
+
+def test_reward_variance_collapse():
+    cfg = MonitorConfig(reward_collapse_patience=3)
+    recs = [{"iteration": i, "reward_mean": 0.3, "reward_std": s} for i, s in enumerate([0.4, 0.0, 0.0, 0.0])]
+    assert rules(run_detector(recs, cfg)) == [("reward_collapse", 3)]
+    recs = [{"iteration": i, "reward_std": 0.3, "zero_var_frac": z} for i, z in enumerate([0.1, 1.0, 1.0, 0.2])]
+    assert run_detector(recs, cfg) == []
+
+
+def test_confirmed_collapse_and_control_mapping():
+    cfg = MonitorConfig(entropy_band=(3.5, 5.0), collapse_confirm_steps=3)
+    det = CollapseDetector(cfg)
+    policy = ControlPolicy(cfg)
+    advice = []
+    for rec in stream("entropy", [4.2, 4.1, 6.0, 7.0, 7.8, 7.9]):
+        for a in det.update(rec):
+            advice.append((a.rule, a.confirmed, policy.decide(a, det.last_healthy_iteration)))
+    assert [(r, c) for r, c, _ in advice] == [("high_entropy", False), ("high_entropy", True)]
+    first, confirmed = advice[0][2], advice[1][2]
+    assert first.action == "reduce_lr" and first.factor == 0.5
+    assert confirmed.action == "rollback" and confirmed.to_iteration == 1
+    # without rollback: checkpoint_and_pause; with control off: nothing
+    a = Alert("high_entropy", "critical", 5, "x", "entropy", [], confirmed=True)
+    assert ControlPolicy(MonitorConfig(rollback_on_collapse=False)).decide(a, 1).action == "checkpoint_and_pause"
+    assert ControlPolicy(MonitorConfig()).decide(a, None).action == "checkpoint_and_pause"
+    assert ControlPolicy(MonitorConfig(control_enabled=False)).decide(a, 1) is None
+    kl = Alert("kl_drift", "warning", 5, "x", "kl_old_new", [])
+    assert ControlPolicy(MonitorConfig(reduce_lr_factor=0.25)).decide(kl, 1).factor == 0.25
+    assert ControlPolicy(MonitorConfig()).decide(Alert("grad_spike", "warning", 5, "x", "g", []), 1) is None
+
+
+def test_cooldown_and_escalation():
+    cfg = MonitorConfig(alert_cooldown=4)
+    alerts = run_detector(stream("kl_old_new", [0.9] * 10), cfg)
+    assert [a.iteration for a in alerts] == [2, 6]  # re-alerts only after the cooldown
+
+
+def test_advice_merge():
+    a = ControlAdvice("reduce_lr", factor=0.5, iteration=3, rules=["kl_drift"], seq=1)
+    b = ControlAdvice("reduce_lr", factor=0.5, iteration=4, rules=["high_entropy"], seq=2)
+    m = ControlAdvice.merge([a, b])
+    assert m.action == "reduce_lr" and m.factor == 0.25 and m.seq == 2 and m.rules == ["kl_drift", "high_entropy"]
+    c = ControlAdvice("rollback", to_iteration=1, iteration=5, rules=["low_entropy"], seq=3)
+    m = ControlAdvice.merge([a, c, b])
+    assert m.action == "rollback" and m.to_iteration == 1 and m.seq == 3
+    assert ControlAdvice.merge([]) is None
+
+
+def _mixed_stream(n=60, seed=1):
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n):
+        e = 4.0 + rng.uniform(-0.2, 0.2) + (3.5 if 40 <= i < 46 else 0.0)
+        recs.append({"iteration": i, "entropy": e, "kl_old_new": 0.95 if 20 <= i < 25 else 0.1,
+                     "grad_norm": 20.0 if i == 30 else 1.0 + rng.random() * 0.1,
+                     "reward_std": 0.3, "repetition_rate": 0.9 if i == 52 else 0.01})
+    return recs
+
+
+def test_state_dict_round_trip_continues_identically():
+    cfg = MonitorConfig(entropy_calibration_steps=10)
+    recs = _mixed_stream()
+    whole = run_detector(recs, cfg)
+    det = CollapseDetector(cfg)
+    split = []
+    for r in recs[:33]:
+        split += det.update(r)
+    state = json.loads(json.dumps(det.state_dict()))  # must survive JSON (the sidecar persists it)
+    det2 = CollapseDetector(cfg)
+    det2.load_state_dict(state)
+    for r in recs[33:]:
+        split += det2.update(r)
+    assert [a.to_dict() for a in split] == [a.to_dict() for a in whole]
+    assert {a.rule for a in whole} >= {"kl_drift", "grad_spike", "high_entropy", "low_entropy"}
+
+
+def test_rewind_to_new_attempt_resets_windows_and_ignores_stale():
+    det = CollapseDetector(MonitorConfig())
+    for r in stream("kl_old_new", [0.9, 0.9], attempt=1):
+        det.update(r)
+    # stale record of the same attempt is ignored
+    assert det.update({"iteration": 0, "kl_old_new": 0.9, "attempt": 1}) == []
+    assert det.ignored_out_of_order == 1
+    # a rollback re-runs iteration 1 under attempt 2: the old 0.9s no longer count
+    assert det.update({"iteration": 1, "kl_old_new": 0.9, "attempt": 2}) == []
+    assert det.update({"iteration": 2, "kl_old_new": 0.9, "attempt": 2}) == []
+    assert rules(det.update({"iteration": 3, "kl_old_new": 0.9, "attempt": 2})) == [("kl_drift", 3)]
