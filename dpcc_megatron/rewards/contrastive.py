@@ -13,6 +13,7 @@ contributes exactly 0.5, and a sample with nobody to compare against scores 0.5.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from typing import Hashable, Optional, Sequence
 
@@ -47,7 +48,7 @@ class OlderPolicyBuffer:
             if len(q) == self.per_prompt:
                 q.popleft()
                 self._size -= 1
-            q.append((sample, float(b)))
+            q.append((dataclasses.replace(sample, group_id=None), float(b)))  # batch group ids mean nothing later
             self._items[sample.prompt] = q  # most recently pushed prompt goes last
             self._size += 1
         while self._size > self.capacity:  # evict the oldest entries of the stalest prompts

@@ -40,6 +40,11 @@ class Sample:
     meta: dict = field(default_factory=dict)
     """Any other fields of the input record (kept for the CLI's output)."""
 
+    def __post_init__(self) -> None:
+        if self.response_ids is not None:  # tensors/arrays -> ints: hashable n-grams, JSON-able state
+            ids = self.response_ids.tolist() if hasattr(self.response_ids, "tolist") else self.response_ids
+            self.response_ids = [int(t) for t in ids]
+
     @property
     def group_key(self) -> Hashable:
         return self.prompt if self.group_id is None else self.group_id
@@ -84,5 +89,5 @@ class Sample:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            out[f.name] = list(value) if f.name == "response_ids" else value
+            out[f.name] = value
         return out

@@ -117,11 +117,11 @@ def _tail(path: str, limit: int) -> str:
 
 
 def run_python(source: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "",
-               files: Mapping[str, str] = {}) -> SandboxResult:
+               files: Optional[Mapping[str, str]] = None) -> SandboxResult:
     """Run ``source`` as ``__main__`` in the sandbox; ``files`` are written to its working dir first."""
     boot = _BOOT.format(memory=limits.memory_mb << 20, cpu=limits.cpu_limit_s, fsize=limits.file_size_mb << 20)
     with tempfile.TemporaryDirectory(prefix="dpcc-sandbox-") as tmp:
-        for name, text in {**files, "main.py": source, "boot.py": boot}.items():
+        for name, text in {**(files or {}), "main.py": source, "boot.py": boot}.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
         out_path, err_path = os.path.join(tmp, ".stdout"), os.path.join(tmp, ".stderr")

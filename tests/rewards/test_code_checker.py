@@ -1,12 +1,12 @@
 import time
 
-from dpcc_megatron.config.reward import RewardConfig, SandboxConfig
+import pytest
+
+from dpcc_megatron.config.reward import SandboxConfig
 from dpcc_megatron.rewards import DualTrackReward, get_checker
 from dpcc_megatron.rewards.checkers.code import extract_code, run_tests
 from dpcc_megatron.rewards.registry import CheckerTimeout
 from dpcc_megatron.rewards.sandbox import SandboxLimits, run_python
-
-import pytest
 
 from .conftest import S
 

@@ -1,5 +1,3 @@
-import random
-
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -90,3 +88,17 @@ def test_deterministic_judge_prefers_correct_then_clean_text():
     assert u[0] > u[1] and u[0] > u[2]
     u2 = judge.utilities(s, [0.0, 1.0, 1.0])
     assert u2[0] < u2[1]  # the base score dominates the quality features
+
+
+def test_tensor_response_ids_become_ints_and_state_is_json():
+    import json
+
+    s = Sample(prompt="q", response="a b", response_ids=torch.tensor([5, 6, 5, 6, 5, 6]), group_id=(1, 2))
+    assert s.response_ids == [5, 6, 5, 6, 5, 6] and all(type(t) is int for t in s.response_ids)
+    buf = OlderPolicyBuffer(capacity=4, per_prompt=2)
+    buf.push([s], [0.5])
+    state = json.loads(json.dumps(buf.state_dict()))
+    other = OlderPolicyBuffer(capacity=4, per_prompt=2)
+    other.load_state_dict(state)
+    (old, base), = other.get("q")
+    assert old.response_ids == [5, 6, 5, 6, 5, 6] and old.group_id is None and base == 0.5

@@ -239,3 +239,24 @@ def test_mixed_random_batch_stays_in_unit_interval(fast_cfg):
     for values in res.checker_scores.values():
         assert all(v is None or 0 <= v <= 1 for v in values)
     assert res.metrics["reward/checker_errors"] == 0.0
+
+
+def test_global_penalties_are_subtracted_from_the_base_score():
+    from dpcc_megatron.config.reward import PenaltyConfig
+
+    cfg = RewardConfig(penalties=PenaltyConfig(max_length=4, overlong_buffer=2))
+    samples = [Sample(prompt="1+1=", response="2", task="addition", answer="2", response_ids=ids)
+               for ids in ([7], [7, 7, 7], [7, 7, 7, 7, 7])]
+    with DualTrackReward(cfg) as reward:
+        res = reward.score(samples)
+    assert res.checker_scores["overlong"] == [0.0, 0.5, 1.0]
+    assert res.base.tolist() == [1.0, 0.5, 0.0]
+    assert res.advanced[0] > res.advanced[1] > res.advanced[2]
+
+
+@pytest.mark.parametrize("normalize", ["none", "group", "batch"])
+def test_empty_batch(normalize):
+    cfg = RewardConfig(normalize=normalize, dynamic=DynamicWeightConfig(enabled=True))
+    with DualTrackReward(cfg) as reward:
+        res = reward.score([])
+    assert res.total.shape == (0,) and res.metrics["reward/zero_var_group_frac"] == 0.0

@@ -136,8 +136,6 @@ def _split_top_level(s: str) -> list[str]:
 
 
 def _sympy_equal(a: str, b: str) -> bool:
-    import sympy
-
     ea, eb = _sympy_expr(a), _sympy_expr(b)
     if isinstance(ea, tuple) or isinstance(eb, tuple):
         return isinstance(ea, tuple) and isinstance(eb, tuple) and len(ea) == len(eb) and all(
