@@ -99,3 +99,20 @@ def zero_grads(chunks, optimizer) -> None:
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
     optimizer.zero_grad()
+
+
+def build_training_model(model_cfg, parallel: ParallelConfig, precision: PrecisionConfig, load_fn=None):
+    """Model chunk(s) of this rank, optionally filled by ``load_fn(chunks)``, wrapped in Megatron DDP
+    with the schedule hooks set (gradient finalisation across DP, tied embeddings across PP)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from .model import build_gpt_model
+
+    chunks = [build_gpt_model(model_cfg, parallel, precision)]
+    if load_fn is not None:
+        load_fn(chunks)
+    tcfg = chunks[0].config
+    chunks = wrap_ddp(chunks, tcfg, parallel)
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.no_sync_func = chunks[0].no_sync
+    return chunks

@@ -200,8 +200,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
     from megatron.core import parallel_state as ps
 
     from ..launch.ranks import discover_ranks, export_torch_env
-    from ..megatron.model import build_gpt_model, padded_vocab_size
-    from ..megatron.optimizer import wrap_ddp
+    from ..megatron.optimizer import build_training_model
     from ..megatron.parallel import data_parallel_size, init_distributed, init_model_parallel
     from ..rewards import DualTrackReward
 
@@ -231,17 +230,12 @@ def setup_run(cfg: JobConfig) -> RunContext:
                                          seed=cfg.train.seed + 99991)
     dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
-    chunks = [build_gpt_model(cfg.model, cfg.parallel, cfg.precision)]
+    load_fn = None
     if cfg.checkpoint.load:
         from ..convert import load_mcore_checkpoint
 
-        load_mcore_checkpoint(chunks, cfg.checkpoint.load)
-    tcfg = chunks[0].config
-    chunks = wrap_ddp(chunks, tcfg, cfg.parallel)
-    from megatron.core.distributed import finalize_model_grads
-
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    tcfg.no_sync_func = chunks[0].no_sync
+        load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load)  # noqa: E731
+    chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
 
     rank = dist.get_rank()
     mp_group = ps.get_model_parallel_group()
