@@ -120,8 +120,11 @@ class MonitorClient:
                     run_id: Optional[str] = None, output_dir: Optional[str] = None,
                     attempt: Optional[int] = None) -> "MonitorClient":
         """Client from a :class:`MonitorConfig`. ``address``/``token`` override the config
-        (pass the launcher handle's); relative ``spool_path`` resolves against ``output_dir``.
+        (pass the launcher handle's); relative ``spool_path`` resolves against ``output_dir``,
+        whose last path component is the run id when neither ``run_id`` nor ``cfg.run_id`` is set.
         A disabled config (or no address anywhere) gives a client whose methods are no-ops."""
+        if not (run_id or cfg.run_id) and output_dir:
+            run_id = _SAFE.sub("_", Path(output_dir).resolve().name) or None
         run_id = run_id or cfg.run_id or "default"
         spool = cfg.spool_path or f"monitor/spool-{_SAFE.sub('_', run_id)}.jsonl"
         if output_dir is not None and not os.path.isabs(spool):

@@ -114,8 +114,13 @@ class SidecarState:
             touched = set()
             self.store.begin()
             try:
-                new = [r for r in valid if self.store.insert_record(r, now)]
-                new.sort(key=lambda r: (r["run_id"], r["attempt"], r["iteration"]))
+                nums = [numeric_fields(r) for r in valid]
+                fresh = self.store.insert_records(list(zip(valid, nums)), now)
+                new = [valid[i] for i in fresh]
+                new_nums = [nums[i] for i in fresh]
+                order = sorted(range(len(new)), key=lambda i: (new[i]["run_id"], new[i]["attempt"],
+                                                               new[i]["iteration"]))
+                new, new_nums = [new[i] for i in order], [new_nums[i] for i in order]
                 for rec in new:
                     run_id = rec["run_id"]
                     if rec["kind"] == "train":
@@ -149,10 +154,10 @@ class SidecarState:
             self.counters["records"] += len(new)
             self.counters["duplicates"] += len(valid) - len(new)
             self.last_ingest = now
-            for rec in new:
+            for rec, numeric in zip(new, new_nums):
                 key = (rec["run_id"], rec["kind"])
                 cur = self.latest.setdefault(key, {})
-                for name, v in numeric_fields(rec).items():
+                for name, v in numeric.items():
                     if name in self.gauge_names or len(self.gauge_names) < MAX_GAUGE_NAMES:
                         self.gauge_names.add(name)
                         cur[name] = v
@@ -161,7 +166,7 @@ class SidecarState:
                                                              self.last_iteration.get(rec["run_id"], -1))
                 if self.tb is not None:
                     try:
-                        self.tb.write_record(rec)
+                        self.tb.write_record(rec, numeric)
                     except Exception as e:  # noqa: BLE001
                         log.warning("TensorBoard write failed: %s", e)
             for alert in alerts:

@@ -19,7 +19,7 @@ import math
 import sqlite3
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 from .alerts import Alert, ControlAdvice
 from .records import numeric_fields
@@ -82,20 +82,28 @@ class Store:
         except sqlite3.OperationalError:
             pass
 
-    def insert_record(self, rec: dict, received: float) -> bool:
+    def insert_record(self, rec: dict, received: float, numeric: Optional[dict] = None) -> bool:
         """Insert one normalised record; False if its key was already stored (a resend)."""
-        cur = self.conn.execute(
-            "INSERT OR IGNORE INTO records (run_id, attempt, iteration, kind, time, received, data) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (rec["run_id"], rec["attempt"], rec["iteration"], rec["kind"], rec.get("time"), received,
-             json.dumps(rec, separators=(",", ":"))))
-        if cur.rowcount == 0:
-            return False
-        key = (rec["run_id"], rec["attempt"], rec["iteration"], rec["kind"])
-        self.conn.executemany(
-            "INSERT OR REPLACE INTO metrics (run_id, attempt, iteration, kind, name, value) VALUES (?, ?, ?, ?, ?, ?)",
-            [key + (name, _sql_value(v)) for name, v in numeric_fields(rec).items()])
-        return True
+        return bool(self.insert_records([(rec, numeric)], received))
+
+    def insert_records(self, items: list, received: float) -> list[int]:
+        """Insert ``[(record, numeric_fields or None)]``; return the indices that were new."""
+        new, rows = [], []
+        execute = self.conn.execute
+        for idx, (rec, numeric) in enumerate(items):
+            key = (rec["run_id"], rec["attempt"], rec["iteration"], rec["kind"])
+            cur = execute("INSERT OR IGNORE INTO records (run_id, attempt, iteration, kind, time, received, data) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                          key + (rec.get("time"), received, json.dumps(rec, separators=(",", ":"))))
+            if cur.rowcount == 0:
+                continue
+            new.append(idx)
+            numeric = numeric if numeric is not None else numeric_fields(rec)
+            rows.extend(key + (name, _sql_value(v)) for name, v in numeric.items())
+        if rows:
+            self.conn.executemany("INSERT OR REPLACE INTO metrics (run_id, attempt, iteration, kind, name, value) "
+                                  "VALUES (?, ?, ?, ?, ?, ?)", rows)
+        return new
 
     def insert_alert(self, alert: Alert) -> None:
         from .records import dumps_strict
@@ -184,10 +192,3 @@ def load_run(db_path: str | Path, run_id: Optional[str] = None, kind: str = "tra
         return records, alerts
     finally:
         conn.close()
-
-
-def iter_jsonl(lines: Iterable[str]):
-    for line in lines:
-        line = line.strip()
-        if line:
-            yield json.loads(line)

@@ -8,7 +8,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .records import numeric_fields
 
@@ -43,11 +43,11 @@ class TensorBoardWriter:
             w = self._writers[run_id] = self._cls(str(d), max_queue_size=1000, flush_secs=5)
         return w
 
-    def write_record(self, rec: Mapping) -> None:
+    def write_record(self, rec: Mapping, numeric: Optional[dict] = None) -> None:
         S = self._summary_pb2.Summary
         values = []
         kind = rec.get("kind", "train")
-        for name, v in numeric_fields(rec).items():
+        for name, v in (numeric if numeric is not None else numeric_fields(rec)).items():
             if not math.isfinite(v):
                 continue
             tag = f"{TAG_GROUPS.get(name, 'other')}/{name}"

@@ -34,7 +34,7 @@ def test_batch_repetition_mean_and_max():
 seqs = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=24), min_size=1, max_size=6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seqs)
 def test_torch_repetition_matches_python(batch):
     torch = pytest.importorskip("torch")
@@ -91,3 +91,10 @@ def test_response_metrics_bundle():
     assert out["repetition_rate"] > 0.4 and out["longest_repeat"] == 10
     assert out["language_consistency"] == 1.0 and out["perplexity"] == pytest.approx(math.e)
     assert out["entropy_frac"] == pytest.approx(2.0 / math.log(64))
+
+
+def test_batch_repetition_subsample():
+    seqs = ["0000000000"] * 50 + ["abcdefghij"] * 50
+    sub = batch_repetition(seqs, max_seqs=10)
+    assert sub["repetition_rate"] == pytest.approx(batch_repetition(seqs)["repetition_rate"])
+    assert batch_repetition(["0000000000"] + ["abcdefghij"] * 99, max_seqs=10)["longest_repeat"] == 10
