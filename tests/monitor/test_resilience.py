@@ -181,3 +181,51 @@ def test_disabled_or_unreachable_client_is_harmless(tmp_path):
     assert c.close(0.3) is False  # sidecar never came: records stay in the spool
     assert time.perf_counter() - t < 2.0
     assert [json.loads(x)["iteration"] for x in (tmp_path / "s.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_second_client_on_a_live_spool_gets_its_own(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    spool = tmp_path / "spool.jsonl"
+    a = MonitorClient(dead, "tok-1234567", run_id="a", spool_path=str(spool), flush_interval_s=0.01)
+    b = MonitorClient(dead, "tok-1234567", run_id="b", spool_path=str(spool), flush_interval_s=0.01)
+    try:
+        a.send({"iteration": 0})
+        b.send({"iteration": 0})
+        wait_for(lambda: a.stats()["spooled"] == 1 and b.stats()["spooled"] == 1, what="both spooled")
+        own = tmp_path / f"spool.{os.getpid()}.jsonl"
+        assert json.loads(spool.read_text())["run_id"] == "a"
+        assert json.loads(own.read_text())["run_id"] == "b"
+    finally:
+        a.close(0.1)
+        b.close(0.1)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_sidecar_exits_when_its_starting_process_is_gone(tmp_path):
+    code = f"""
+from dpcc_megatron.monitor.launcher import start_sidecar
+h = start_sidecar({str(tmp_path / 'm.sqlite')!r}, exit_with_parent=True)
+print(h.pid, flush=True)
+"""  # the starter exits without stopping it (a crashed trainer)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[0])
+    try:
+        wait_for(lambda: not _alive(pid), timeout=10, what="sidecar to notice its parent is gone")
+        assert "stopped" in (tmp_path / "m.sidecar.log").read_text()
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
