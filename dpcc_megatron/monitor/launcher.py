@@ -111,12 +111,14 @@ def start_sidecar(db_path: Optional[str] = None, *, listen: str = "127.0.0.1:0",
     """Start ``dpcc-megatron monitor serve`` in a subprocess and wait until it listens.
 
     ``cfg`` (a MonitorConfig) supplies detector/sink settings and, when the arguments are
-    None, ``db_path``/``tensorboard_dir``/``alerts_jsonl``/``webhook_url`` (resolved
-    against ``output_dir``). ``config_path`` passes a job YAML instead. ``token`` None uses
+    None, ``db_path``/``tensorboard_dir``/``alerts_jsonl``/``webhook_url`` (relative ones
+    resolved against ``output_dir``, else the directory of an explicit ``db_path``). ``config_path`` passes a job YAML instead. ``token`` None uses
     $DPCC_MONITOR_TOKEN, else the config's, else a fresh random one (``handle.token``).
     With ``exit_with_parent`` the sidecar shuts itself down once this process is gone."""
     if cfg is not None:
-        paths = resolve_paths(cfg, output_dir)
+        # relative config paths: against output_dir, else next to an explicit db_path, else the cwd
+        base = output_dir if output_dir is not None else (str(Path(db_path).parent) if db_path else None)
+        paths = resolve_paths(cfg, base)
         db_path = db_path or paths["db_path"]
         tensorboard_dir = tensorboard_dir if tensorboard_dir is not None else paths["tensorboard_dir"]
         alerts_jsonl = alerts_jsonl if alerts_jsonl is not None else paths["alerts_jsonl"]
@@ -135,6 +137,11 @@ def start_sidecar(db_path: Optional[str] = None, *, listen: str = "127.0.0.1:0",
 
         data = to_dict(cfg)
         data["token"] = None  # the token goes through the environment only
+        # resolved here, absolute, so the child does not re-resolve them against its own cwd
+        data["db_path"] = os.path.abspath(db_path)
+        for key, value in (("tensorboard_dir", tensorboard_dir), ("alerts_jsonl", alerts_jsonl),
+                           ("webhook_url", webhook_url)):
+            data[key] = (os.path.abspath(value) if value and key != "webhook_url" else value) or None
         cfg_file = work / "monitor-config.yaml"  # JSON is YAML
         fd = os.open(cfg_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -34,7 +34,7 @@ def test_batch_repetition_mean_and_max():
 seqs = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=24), min_size=1, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(seqs)
 def test_torch_repetition_matches_python(batch):
     torch = pytest.importorskip("torch")

@@ -162,6 +162,9 @@ def test_bad_messages_rejected_counted_and_serving_continues(tmp_path, sidecars)
     prom = {s.labels["reason"]: s.value for s in fams["dpcc_monitor_rejected"].samples if s.name.endswith("_total")}
     assert prom["oversized"] == 2.0 and prom["unauthenticated"] == 3.0
     assert h.alive()
+    # config paths (relative by default) landed next to the database, not in the cwd
+    assert (tmp_path / "monitor" / "alerts.jsonl").read_text().count("kl_drift") == 1
+    assert (tmp_path / "monitor" / "tb" / "bad").is_dir()
 
 
 def test_disabled_or_unreachable_client_is_harmless(tmp_path):
