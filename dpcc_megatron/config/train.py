@@ -132,6 +132,9 @@ class TrainConfig:
     """Stop (with a checkpoint) after this many consecutive non-finite steps."""
     log_interval: int = 1
     """Console/TensorBoard logging interval."""
+    exit_interval: int = 0
+    """Stop with a checkpoint after this many iterations of this launch (0: run to the end), e.g. to
+    split a run across scheduler allocations; the next launch resumes."""
     output_dir: str = "runs/default"
     """Logs, TensorBoard events, summary and report."""
     warmup_sft_steps: int = 0
@@ -148,5 +151,6 @@ class TrainConfig:
               f"must be a multiple of micro_batch_size={self.micro_batch_size}, got {self.mini_batch_size}")
         check(self.max_consecutive_skips >= 1, "max_consecutive_skips", f"must be >= 1, got {self.max_consecutive_skips}")
         check(self.log_interval >= 1, "log_interval", f"must be >= 1, got {self.log_interval}")
+        check(self.exit_interval >= 0, "exit_interval", f"must be >= 0, got {self.exit_interval}")
         check(self.warmup_sft_steps >= 0, "warmup_sft_steps", f"must be >= 0, got {self.warmup_sft_steps}")
         check(self.warmup_sft_lr > 0, "warmup_sft_lr", f"must be > 0, got {self.warmup_sft_lr}")

@@ -9,11 +9,13 @@ from ..algo import combine_metrics
 from ..megatron.policy_step import EXTRA_REDUCTIONS
 
 
-def _f(x) -> float:
+def _f(x):
+    """A float, or None for a missing value: the detector reads NaN as a non-finite alarm."""
     try:
-        return float(x)
+        v = float(x)
     except (TypeError, ValueError):
-        return float("nan")
+        return None
+    return v if math.isfinite(v) else None
 
 
 def logprob_stats(batch, rollouts, old_lp, entropy) -> dict:
@@ -46,15 +48,15 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "reward_base_mean": _f(rewards.base.mean()),
         "kl_old_new": _f(merged.get(f"kl_{est}", float("nan"))),
         "kl_estimator": est,
-        "clip_frac": _f(merged.get("clip_frac_low", 0.0)) + _f(merged.get("clip_frac_high", 0.0)),
+        "clip_frac": _f(merged.get("clip_frac_low", 0.0) + merged.get("clip_frac_high", 0.0)),
         "ratio_max": _f(merged.get("ratio_max", float("nan"))),
         "sample_utilization": _f(merged.get("utilisation", float("nan"))),
-        "pg_loss": _f(merged.get("pg_loss", float("nan"))) / max(len(steps), 1),
+        "pg_loss": _f(merged["pg_loss"] / max(len(steps), 1)) if "pg_loss" in merged else None,
         "tau": _f(merged.get("tau", controller.tau)),
         "lr": _f(taken[-1].lr) if taken else 0.0,
         "lr_factor": _f(steps[-1].lr_factor) if steps else 1.0,
-        "lr_factor_min": min((_f(s.lr_factor) for s in steps), default=1.0),
-        "grad_norm": _f(taken[-1].grad_norm) if taken else float("nan"),
+        "lr_factor_min": min((s.lr_factor for s in steps), default=1.0),
+        "grad_norm": _f(taken[-1].grad_norm) if taken else None,
         "steps_taken": ctx.counters["steps_taken"],
         "steps_skipped": ctx.counters["steps_skipped"],
         "update_frequency": len(taken) / max(len(steps), 1),

@@ -44,7 +44,8 @@ class RolloutBatch:
 
     def to_batch(self, advantages: torch.Tensor) -> RLBatch:
         tokens, mask = pack_sequences(self.prompt_ids, self.response_ids, self.pad_id)
-        return RLBatch(tokens=tokens, mask=mask, advantages=advantages.float())
+        return RLBatch(tokens=tokens, mask=mask, advantages=advantages.float(),
+                       sampler_logprobs=self.sampler_logprob_matrix(mask))
 
     def sampler_logprob_matrix(self, mask: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(mask.shape, dtype=torch.float32)

@@ -131,6 +131,9 @@ def train(cfg: JobConfig) -> dict:
             stop_reason = f"stopped by {signals.requested or 'a signal on another rank'}"
         if advice == "checkpoint_and_pause":
             stop_reason, stop = "paused by the monitor's advice", True
+        if cfg.train.exit_interval and iteration - start_iteration >= cfg.train.exit_interval \
+                and iteration < cfg.train.iterations:
+            stop_reason, stop = f"stopped by train.exit_interval after {cfg.train.exit_interval} iterations", True
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
             ctx.save(iteration, controller, summary)

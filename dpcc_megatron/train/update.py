@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..algo import DPCCController
 from ..config import JobConfig
-from ..megatron.optimizer import grads_are_finite, scaled_lr, zero_grads
+from ..megatron.optimizer import grad_scaler, grads_are_finite, scaled_lr, zero_grads
 from ..megatron.policy_step import (RLBatch, global_normalizer, policy_loss_fn, reduce_step_metrics,
                                     run_schedule, sft_loss_fn)
 
@@ -30,7 +30,8 @@ class StepResult:
 
 def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, float, float]:
     """Skip on non-finite gradients (all ranks agree); otherwise step at scheduled LR x factor."""
-    if not grads_are_finite(chunks):
+    # fp16: Megatron's optimizer finds the overflow itself, skips and lowers the loss scale.
+    if grad_scaler(optimizer) is None and not grads_are_finite(chunks):
         zero_grads(chunks, optimizer)
         return True, float("nan"), 0.0
     with scaled_lr(optimizer, factor) as scheduled:
@@ -47,7 +48,8 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     zero_grads(chunks, optimizer)
     normalizer = global_normalizer(batch, dp_group)
     loss_cfg = controller.loss_config(cfg.loss)
-    outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), policy_loss_fn(loss_cfg, normalizer),
+    loss_fn = policy_loss_fn(loss_cfg, normalizer, cfg.precision.tis_cap)
+    outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), loss_fn,
                            forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
     kl = metrics.get(f"kl_{cfg.loss.dpcc.kl_estimator}", metrics.get("kl_k3", 0.0))
