@@ -6,7 +6,10 @@
                        pp_group=ps.get_pipeline_model_parallel_group())
 
 Every rank of a model-parallel group calls it with the same prompts and an identically seeded
-generator, and gets the same :class:`~dpcc_megatron.rollout.Rollout`.
+generator, and gets the same :class:`~dpcc_megatron.rollout.Rollout`. The draws come from the
+generator of TP rank 0 on the last pipeline stage; the generators of the other last-stage ranks
+advance in step, those of earlier stages are not touched. Sampling draws ``b x V`` numbers per
+step, so on GPU pass a generator on the model's device (a CPU one works, but copies the noise).
 
 * **KV cache.** Megatron-Core's own ``StaticInferenceContext`` passed to ``GPTModel.forward``:
   the attention layers write keys/values into it and read the prefix back, which works on CPU

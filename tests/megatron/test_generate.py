@@ -62,8 +62,14 @@ def _full_logprobs(model, rollout, **sampling):
 
 def _reference(model):
     """Single-rank runs of the whole model (rank 0 of a DP-only layout)."""
-    out = {}
+    out = {"errors": []}
+    for bad in (dict(max_new_tokens=60), dict(vocab_size=300)):
+        try:
+            _generate(model, **bad)
+        except ValueError as e:
+            out["errors"].append(str(e))
     out["greedy"] = _generate(model)
+    out["still_training"] = model.training
     out["greedy_nocache"] = _generate(model, use_kv_cache=False)
     out["eos"] = _generate(model, eos_id=out["greedy"].responses()[0][3], batch_size=5)
     out["eos_nocache"] = _generate(model, eos_id=out["greedy"].responses()[0][3], batch_size=5, use_kv_cache=False)
@@ -121,6 +127,13 @@ def test_kv_cache_equals_full_recompute(ref):
     torch.testing.assert_close(ref["greedy"].policy_logprobs, ref["greedy_nocache"].policy_logprobs,
                                atol=1e-5, rtol=0)
     assert len({tuple(r) for r in ref["greedy"].responses()}) >= 4  # distinct prompts, distinct outputs
+
+
+def test_generation_restores_the_mode_and_rejects_what_the_model_cannot_do(ref):
+    assert ref["still_training"]
+    too_long, too_wide = ref["errors"]
+    assert "longest prompt + max_new_tokens = 69 exceeds the model's max_sequence_length 64" in too_long
+    assert "vocab_size 300 exceeds the model's padded vocabulary 256" in too_wide
 
 
 def test_eos_stops_each_sequence(ref):
