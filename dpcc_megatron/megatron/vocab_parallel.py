@@ -11,7 +11,7 @@ rank ``r`` holds global columns ``[r * V_pad/tp, (r+1) * V_pad/tp)``). Columns w
 
 How it works:
 
-* **Forward, one pass over the shard.** Tokens are processed in chunks of ``chunk_size`` rows of
+* **Forward, one sweep over the shard.** Tokens are processed in chunks of ``chunk_size`` rows of
   the flattened ``s*b`` axis; only a chunk is ever cast to fp32. Each rank reduces its chunk to a
   few per-token numbers relative to its *local* max ``m_r``: ``S_r = Σ e^(z-m_r)``,
   ``A_r = Σ e^(z-m_r)(z-m_r)`` (entropy), ``B_r = Σ e^(z-m_r)(z-r)`` (KL), the ref's own
@@ -29,16 +29,17 @@ How it works:
   Megatron's pipeline schedules; the caller's loss sees identical values on every TP rank,
   and the output layer's own backward all-reduces its input gradient as usual.
 * **NaN/Inf policy.** A token is *non-finite* when any of its real (non-padding) logits, or
-  ref logits, is NaN or ±Inf on any rank (detected from the per-token stats, so it costs no
-  extra pass). Such tokens get ``logprobs = entropy = ref_kl = 0`` and zero gradient,
+  ref logits, is NaN or ±Inf on any rank (detected from the per-token stats; only without
+  entropy does it cost a row sum). Such tokens get ``logprobs = entropy = ref_kl = 0`` and zero gradient,
   ``nonfinite_mask`` marks them, and ``nonfinite`` counts them over the TP group. The values
   look normal on purpose, so a NaN never reaches the weights through this op; the caller must
   check ``nonfinite`` and skip the optimizer step (or at least mask those tokens).
   ``-inf`` in the padding columns (a common way to mask padding) is not counted.
 
-Memory: besides the outputs and the logits gradient (in the logits' dtype), the peak is a few
-fp32 ``[chunk_size, V_pad/tp]`` buffers (2 in forward without ref, 4 with; 2-3 in backward).
-Lower ``chunk_size`` for very large vocabularies. Double backward is not supported.
+Memory: besides the outputs and the logits gradient (in the logits' dtype), the op holds two
+fp32 ``[chunk_size, V_pad/tp]`` work buffers (three with ``ref_logits``), reused by every
+chunk. Lower ``chunk_size`` for very large vocabularies. Host syncs: one for the target range
+check, and one in backward only to test for non-finite tokens. Double backward is not supported.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def vocab_parallel_token_stats(logits: torch.Tensor, targets: torch.Tensor, *, g
         ref_logits = ref_logits.detach()
     lp, ent, kl, bad, count = _TokenStatsFn.apply(
         logits, targets, ref_logits, group if tp_size > 1 else None, tp_rank * v_local,
-        vocab_size, with_entropy, chunk_size)
+        vocab_size, with_entropy, int(chunk_size))
     shape = targets.shape
     return TokenStats(logprobs=lp.view(shape), entropy=ent.view(shape) if with_entropy else None,
                       ref_kl=kl.view(shape) if ref_logits is not None else None,
@@ -126,14 +127,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # a view for Megatron's contiguous [s, b, V/tp]
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    """A fresh fp32 copy of a chunk (``.float()`` would alias fp32 input, and we work in place)."""
-    return x.to(torch.float32, copy=True)
-
-
-def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_j a_ij b_ij, overwriting ``b`` (saves a [chunk, V] temporary)."""
-    return b.mul_(a).sum(-1)
+def _workspace(n: int, rows: int, cols: int, device) -> list[torch.Tensor]:
+    """``n`` fp32 [rows, cols] buffers reused by every chunk (fresh buffers per chunk cost page
+    faults / allocator churn that dominate on CPU)."""
+    return list(torch.empty(n, rows, cols, dtype=torch.float32, device=device).unbind(0))
 
 
 class _TokenStatsFn(torch.autograd.Function):
@@ -159,30 +156,29 @@ class _TokenStatsFn(torch.autograd.Function):
             here = (t_local >= 0) & (t_local < n_real)
             picked = z_all.gather(1, t_local.clamp(0, n_real - 1).unsqueeze(1)).squeeze(1).float()
             z_t = torch.where(here, picked, z_t)
+            work = _workspace(3 if with_ref else 2, min(chunk_size, n_tok), n_real, logits.device)
             for lo in range(0, n_tok, chunk_size):
                 hi = min(lo + chunk_size, n_tok)
-                z = _f32(z_all[lo:hi, :n_real])
+                zc = z_all[lo:hi, :n_real]
+                z, e = work[0][:hi - lo], work[1][:hi - lo]
                 if with_ref:
-                    r = _f32(r_all[lo:hi, :n_real])
-                    m_r[lo:hi] = r.amax(-1)
-                    t = torch.sub(r, m_r[lo:hi, None])
-                    s_r[lo:hi] = t.exp_().sum(-1)
-                    torch.sub(z, r, out=t)  # z - r, exact before any shift
-                    del r
-                m_z[lo:hi] = z.amax(-1)
-                z.sub_(m_z[lo:hi, None])
-                e = torch.exp(z)
-                s_z[lo:hi] = e.sum(-1)
+                    rc, d = r_all[lo:hi, :n_real], work[2][:hi - lo]
+                    m_r[lo:hi] = rc.amax(-1)
+                    d.copy_(rc).sub_(m_r[lo:hi, None])
+                    s_r[lo:hi] = torch.exp(d, out=e).sum(-1)
+                    d.copy_(zc).sub_(e.copy_(rc))  # z - r in fp32, exact before any shift
+                m_z[lo:hi] = zc.amax(-1)  # the max is exact in the input dtype
+                z.copy_(zc).sub_(m_z[lo:hi, None])
+                s_z[lo:hi] = torch.exp(z, out=e).sum(-1)
                 if with_ref:
-                    b_z[lo:hi] = _row_dot(e, t)
-                    del t
+                    b_z[lo:hi] = d.mul_(e).sum(-1)
                 # A_r feeds the entropy and, being 0*(-inf) = NaN or NaN for any non-finite
                 # logit, doubles as the non-finite check; without entropy a row sum does that.
                 if with_entropy:
-                    a_z[lo:hi] = _row_dot(e, z)
+                    a_z[lo:hi] = z.mul_(e).sum(-1)
                 else:
                     check[lo:hi] = z.sum(-1)
-                del z, e
+            del work
         local_stats = [m_z, s_z, a_z, check, z_t] + ([m_r, s_r, b_z] if with_ref else [])
         local_bad = torch.zeros(n_tok, dtype=torch.bool, device=logits.device)
         if n_real > 0:
@@ -254,22 +250,28 @@ class _TokenStatsFn(torch.autograd.Function):
         kl_v = kl if kl.numel() else zeros
         # dL/dz_j = p_j * (a + b * lp_j - g_kl * lq_j) + g_lp * [j == t], per token:
         a = -g_lp - g_ent * ent - g_kl * kl_v
-        b = g_kl - g_ent
+        b = zeros if (g_ent is zeros and g_kl is zeros) else g_kl - g_ent
         t_local = targets.reshape(-1) - vocab_start
         t_index = t_local.clamp(0, n_real - 1).unsqueeze(1)
         t_grad = torch.where((t_local >= 0) & (t_local < n_real), g_lp, 0.0).unsqueeze(1)
+        only_lp = b is zeros and r_all is None  # coef = a: skip the per-element log p terms
+        work = _workspace(3 if r_all is not None else 2, min(chunk_size, n_tok), n_real, logits.device)
         for lo in range(0, n_tok, chunk_size):
             hi = min(lo + chunk_size, n_tok)
-            lp = _f32(z_all[lo:hi, :n_real]).sub_(lse[lo:hi, None])
-            p = torch.exp(lp)
-            coef = lp.mul_(b[lo:hi, None]).add_(a[lo:hi, None])
-            if r_all is not None:
-                lq = _f32(r_all[lo:hi, :n_real]).sub_(lse_ref[lo:hi, None])
-                coef.sub_(lq.mul_(g_kl[lo:hi, None]))
-                del lq
-            g = p.mul_(coef).scatter_add_(1, t_index[lo:hi], t_grad[lo:hi])
-            g_rows[lo:hi, :n_real] = g
-            del lp, p, coef, g
+            lp, p = work[0][:hi - lo], work[1][:hi - lo]
+            lp.copy_(z_all[lo:hi, :n_real]).sub_(lse[lo:hi, None])
+            torch.exp(lp, out=p)
+            if only_lp:
+                p.mul_(a[lo:hi, None])
+            else:
+                coef = lp.mul_(b[lo:hi, None]).add_(a[lo:hi, None])
+                if r_all is not None:
+                    lq = work[2][:hi - lo].copy_(r_all[lo:hi, :n_real]).sub_(lse_ref[lo:hi, None])
+                    coef.sub_(lq.mul_(g_kl[lo:hi, None]))
+                p.mul_(coef)
+            p.scatter_add_(1, t_index[lo:hi], t_grad[lo:hi])
+            g_rows[lo:hi, :n_real].copy_(p)  # one rounding to the logits' dtype
+        del work
         if bool(bad.any()):  # their saved logits are NaN/Inf: the recomputed rows are garbage
             g_rows[bad] = 0
         return grad, None, None, None, None, None, None, None

@@ -85,7 +85,8 @@ def test_matches_full_softmax_reference_at_tp_1_2_4():
     per_rank = run_multirank(_rank, 4, args=(logits, ref, targets, weights), timeout=240)
     for name, (z, r, kw) in _cases(logits, ref).items():
         t = targets.remainder(kw["vocab_size"])
-        want, want_grads = _reference(z.float(), (ref if r is None else r).float(), t, kw["vocab_size"], weights)
+        r_full = (ref if r is None else r).float()
+        want, want_grads = _reference(z.float(), r_full, t, kw["vocab_size"], weights)
         mask = torch.zeros(S, B, dtype=torch.bool)
         if name == "nonfinite":
             mask[1, 2] = mask[3, 0] = True
