@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dpcc_megatron.commands.train", "run DPCC RL training on every rank (torchrun, srun, mpirun)"),
     "monitor": ("dpcc_megatron.commands.monitor", "metrics sidecar: serve, replay a metric stream, report"),
     "reward": ("dpcc_megatron.commands.reward", "score samples offline with the dual-track reward"),
+    "plan": ("dpcc_megatron.commands.plan", "estimate per-GPU memory for a layout; --search proposes layouts"),
 }
 
 
