@@ -42,7 +42,8 @@ class RunContext:
     tb: object = None
     consumed_samples: int = 0
     resumed_state: dict = field(default_factory=dict)
-    counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0})
+    counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0,
+                                                    "rollbacks": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
 
@@ -154,27 +155,68 @@ class RunContext:
         return build_record(self, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps,
                             controller, seconds)
 
-    def monitor_exchange(self, record: dict) -> Optional[str]:
-        """Rank 0 sends the record and polls advice; every rank gets the same action back."""
-        action = None
+    def monitor_exchange(self, record: dict) -> Optional[tuple]:
+        """Rank 0 runs the local detector, sends the record and polls the sidecar's advice.
+
+        Advice comes from the sidecar when one is configured, else from the local detector
+        through the same alert -> advice policy, so control works without a sidecar too.
+        Every rank gets the same ``(action, factor, to_iteration)`` back, or None.
+        """
+        advice = None
         if self.rank == 0:
+            from ..monitor.alerts import ControlAdvice, ControlPolicy
+
+            local = []
             if self.detector is not None:
                 for alert in self.detector.update(record):
-                    self.alerts.append({"rule": alert.rule, "iteration": alert.iteration,
-                                        "severity": alert.severity, "message": alert.message})
+                    self.alerts.append({"rule": alert.rule, "iteration": alert.iteration, "severity": alert.severity,
+                                        "confirmed": alert.confirmed, "message": alert.message})
                     print(f"[dpcc] ALERT {alert.severity} {alert.rule} @ {alert.iteration}: {alert.message}",
                           flush=True)
+                    decided = ControlPolicy(self.cfg.monitor).decide(alert, self.detector.last_healthy_iteration)
+                    if decided is not None:
+                        local.append(decided)
             if self.monitor is not None:
                 self.monitor.send(record)
-                advice = self.monitor.poll_control()
-                if advice is not None and advice.action != "none" and self.cfg.monitor.control_enabled:
-                    action = advice.action
-                    print(f"[dpcc] monitor advice: {advice.action} ({advice.reason})", flush=True)
+                got = self.monitor.poll_control()
+            else:
+                got = ControlAdvice.merge(local) if local else None
+            if got is not None and got.action != "none" and self.cfg.monitor.control_enabled:
+                advice = (got.action, float(got.factor), got.to_iteration)
+                print(f"[dpcc] control advice: {got.action} ({got.reason})", flush=True)
         if dist.is_initialized() and self.world > 1:
-            box = [action]
+            box = [advice]
             dist.broadcast_object_list(box, src=0)
-            action = box[0]
-        return action
+            advice = box[0]
+        return advice
+
+    def rollback_to(self, to_iteration: Optional[int], controller) -> Optional[int]:
+        """Load the newest kept checkpoint at or before ``to_iteration``; None when there is none.
+
+        Weights, optimizer, schedule, DPCC controller and detector go back; the prompt stream
+        keeps moving forward, so the run does not replay the batches that led to the collapse.
+        """
+        from ..megatron.checkpoint import load_checkpoint
+
+        if not self.cfg.checkpoint.dir:
+            return None
+        root = Path(self.cfg.checkpoint.dir)
+        kept = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / "trainer_state.json").is_file())
+        eligible = [i for i in kept if to_iteration is None or i <= to_iteration]
+        if not eligible:
+            return None
+        path = root / f"iter_{eligible[-1]:07d}"
+        current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
+        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current)
+        controller.load_state_dict(state["controller"])
+        if self.detector is not None and state.get("detector"):
+            self.detector.load_state_dict(state["detector"])
+        if self.monitor is not None:
+            self.monitor.notify_rollback(int(state["iteration"]))
+        self.counters["rollbacks"] = self.counters.get("rollbacks", 0) + 1
+        if self.rank == 0:
+            print(f"[dpcc] rolled back to {path}", flush=True)
+        return int(state["iteration"])
 
     def alerts_seen(self) -> list:
         return list(self.alerts)

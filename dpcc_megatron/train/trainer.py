@@ -117,11 +117,20 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0)
         log.line(record)
         advice = ctx.monitor_exchange(record)
-        if advice == "reduce_lr":
-            monitor_lr_scale *= cfg.monitor.reduce_lr_factor
+        action = advice[0] if advice else None
         summary["alerts"] = ctx.alerts_seen()
         iteration += 1
         ctx.consumed_samples += len(prompts) * cfg.rollout.group_size
+        if action == "reduce_lr":  # a KL or high-entropy alert: cut the LR at once
+            monitor_lr_scale *= advice[1]
+        elif action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
+            back = ctx.rollback_to(advice[2], controller)
+            if back is not None:
+                iteration = back
+                monitor_lr_scale *= cfg.monitor.reduce_lr_factor
+                consecutive_skips = 0
+                continue
+            action = "checkpoint_and_pause"
 
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
@@ -129,7 +138,7 @@ def train(cfg: JobConfig) -> dict:
             stop = True
         elif stop:
             stop_reason = f"stopped by {signals.requested or 'a signal on another rank'}"
-        if advice == "checkpoint_and_pause":
+        if action == "checkpoint_and_pause":
             stop_reason, stop = "paused by the monitor's advice", True
         if cfg.train.exit_interval and iteration - start_iteration >= cfg.train.exit_interval \
                 and iteration < cfg.train.iterations:
@@ -144,7 +153,8 @@ def train(cfg: JobConfig) -> dict:
     summary.update(iterations=iteration, stop_reason=stop_reason, kl_last=controller.last_kl,
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
-                   prompts_truncated=ctx.counters["prompts_truncated"])
+                   prompts_truncated=ctx.counters["prompts_truncated"], rollbacks=ctx.counters["rollbacks"],
+                   lr_scale_from_monitor=monitor_lr_scale)
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         ctx.save(iteration, controller, summary)
