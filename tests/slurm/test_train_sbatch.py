@@ -1,0 +1,131 @@
+"""slurm/train_dpcc.sbatch on a real local Slurm with examples/tiny_cpu.yaml (2 tasks, TP=2, gloo, CPU).
+
+Expected cost on 2 idle cores: ~10 s for the two rejected submissions, ~40 s for the
+training job, ~90 s for the preempted-and-requeued one (two trainer start-ups).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SBATCH = REPO / "slurm" / "train_dpcc.sbatch"
+CONFIG = "examples/tiny_cpu.yaml"
+JOB_TIMEOUT = 300
+
+
+def submit(slurm, env, tmp_path: Path, *overrides: str, name: str = "dpcc-test") -> tuple[int, Path]:
+    """Submit the tiny CPU job as a user would; returns (job id, its per-job log directory)."""
+    args = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", f"--job-name={name}", f"--chdir={REPO}",
+            f"--output={tmp_path}/batch-%j.out", str(SBATCH), CONFIG,
+            f"train.output_dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ck'}", *overrides]
+    job = slurm.sbatch(args, env=env)
+    return job, tmp_path / "logs" / f"{name}-{job}"
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"<{path} missing>"
+
+
+def diagnostics(tmp_path: Path, job: int, logdir: Path) -> str:
+    """What to look at when a job did not do what was expected."""
+    parts = [f"--- batch output\n{read(tmp_path / f'batch-{job}.out')[-3000:]}"]
+    for rank0 in sorted(logdir.glob("attempt-*/rank-0.log")):
+        text = "\n".join(x for x in read(rank0).splitlines() if "warn" not in x.lower())
+        parts.append(f"--- {rank0.relative_to(logdir)}\n{text[-3000:]}")
+    return "\n".join(parts)
+
+
+def train_records(db: Path) -> list[tuple[int, int, int]]:
+    """(first iteration, last iteration, count) of the sidecar's train records, per client attempt."""
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT MIN(iteration), MAX(iteration), COUNT(*) FROM records WHERE kind = 'train' "
+                           "GROUP BY attempt ORDER BY MIN(received)").fetchall()
+
+
+def test_invalid_layout_stops_before_any_rank(slurm, job_env, tmp_path):
+    job, logdir = submit(slurm, job_env, tmp_path, "parallel.tensor_model_parallel_size=3")
+    info = slurm.wait(job, timeout=120)
+    out = read(tmp_path / f"batch-{job}.out")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, out)
+    assert "the layout is invalid for 2 task(s)" in out
+    assert "model.num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in out
+    assert "2 GPUs are not divisible by TP x PP x CP = 3 x 1 x 1 = 3" in out
+    assert not list(logdir.glob("attempt-0/rank-*.log")) and not (logdir / "attempt-0" / "sidecar.log").exists()
+
+
+def test_rejects_an_argument_that_is_not_key_value(slurm, job_env, tmp_path):
+    job, _ = submit(slurm, job_env, tmp_path, "optim.lr")
+    info = slurm.wait(job, timeout=60)
+    assert info["ExitCode"] == "2:0", info
+    assert "argument 'optim.lr' is not key=value" in read(tmp_path / f"batch-{job}.out")
+
+
+def test_tiny_cpu_job_trains_reports_to_the_sidecar_and_checkpoints(slurm, job_env, tmp_path):
+    job, logdir = submit(slurm, job_env, tmp_path)
+    info = slurm.wait(job, timeout=JOB_TIMEOUT)
+    why = diagnostics(tmp_path, job, logdir)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, why)
+    assert "[dpcc] completed" in read(logdir / "attempt-0" / "rank-0.log"), why
+
+    # Checkpoints: every save_interval=2 iterations and at the end, the newest two kept.
+    ck = tmp_path / "ck"
+    assert (ck / "latest").read_text().strip() == "iter_0000006"
+    assert (ck / "iter_0000006" / "metadata.json").is_file() and (ck / "iter_0000006" / "common.pt").is_file()
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+
+    # The sidecar got one train record per iteration (0..5), and was stopped with the job.
+    assert train_records(tmp_path / "out" / "monitor" / "monitor.sqlite") == [(0, 5, 6)], why
+    sidecar = json.loads((logdir / "attempt-0" / "sidecar.json").read_text())
+    assert sidecar["address"].startswith("127.0.0.1:")
+    assert not Path(f"/proc/{sidecar['pid']}").exists(), "the sidecar outlived its job"
+    assert "dpcc-monitor stopped" in read(logdir / "attempt-0" / "sidecar.log")
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(slurm, job_env, tmp_path):
+    iterations = 12
+    job, logdir = submit(slurm, job_env, tmp_path, f"train.iterations={iterations}", name="dpcc-preempt")
+    latest = tmp_path / "ck" / "latest"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not latest.exists():  # the first periodic checkpoint: the run is under way
+        state = slurm.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, diagnostics(tmp_path, job, logdir))
+        assert time.monotonic() < deadline, "no checkpoint appeared\n" + diagnostics(tmp_path, job, logdir)
+        time.sleep(0.2)
+    # What --signal=B:USR1@N does before the time limit: SIGUSR1 to the batch shell only.
+    slurm.signal_batch(job, "USR1")
+    info = slurm.wait(job, timeout=JOB_TIMEOUT)
+    why = diagnostics(tmp_path, job, logdir)
+    first, second = logdir / "attempt-0" / "rank-0.log", logdir / "attempt-1" / "rank-0.log"
+    if "BrokenPipeError" in read(first):
+        pytest.fail("the trainer's checkpoint save after SIGUSR1 died with BrokenPipeError: slurmstepd delivers "
+                    "the signal to every process of the task, including the multiprocessing Manager that "
+                    "megatron.core.dist_checkpointing caches on the first save; it must be created with "
+                    "SIGUSR1/SIGTERM blocked (dpcc_megatron/megatron/checkpoint.py)\n" + why)
+    assert "[dpcc] stopped by SIGUSR1" in read(first), why
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, why)
+    assert info["Restarts"] == "1", (info, why)
+
+    m = re.search(r"\[dpcc\] resumed from (\S+) at iteration (\d+)", read(second))
+    assert m, "the requeued attempt did not resume from a checkpoint\n" + why
+    resumed_at = int(m.group(2))
+    assert 2 <= resumed_at < iterations and Path(m.group(1)).name == f"iter_{resumed_at:07d}"
+    assert "checkpoint.resume=required" in read(logdir / "batch.log")  # a restart never starts from scratch
+    assert "[dpcc] completed" in read(second), why
+    assert (tmp_path / "ck" / "latest").read_text().strip() == f"iter_{iterations:07d}"
+
+    # The sidecar database saw both attempts: the second continues where the checkpoint left off.
+    runs = train_records(tmp_path / "out" / "monitor" / "monitor.sqlite")
+    assert len(runs) == 2, (runs, why)
+    assert runs[0][0] == 0 and runs[0][1] == resumed_at - 1
+    assert runs[1][:2] == (resumed_at, iterations - 1)
+    assert not os.path.exists(tmp_path / "ck" / f".tmp_iter_{resumed_at:07d}")
