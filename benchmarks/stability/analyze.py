@@ -1,0 +1,349 @@
+"""Tables, paired comparisons and plots from the cached results of `run.py`.
+
+    python -m benchmarks.stability.analyze --out runs/stability --results-md benchmarks/stability/RESULTS.md
+
+Reads OUT/results/*.json and OUT/manifest.json, writes the markdown report and two PNG
+plots next to it. Everything is recomputed from the cached results, so it can run while
+the benchmark is still going (the report says how many runs it covers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+CLAIMS = {"collapse": (0.23, 0.04), "fewer_steps": 0.37, "utilisation": 2.1}
+
+
+# ---------------------------------------------------------------- statistics (stdlib only)
+def mean_sd(values) -> tuple[float, float, int]:
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    if not v:
+        return float("nan"), float("nan"), 0
+    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0), len(v)
+
+
+def fmt_ms(values, digits: int = 3) -> str:
+    m, sd, n = mean_sd(values)
+    return "–" if n == 0 else f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a proportion k/n."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def binom_two_sided(k: int, n: int) -> float:
+    """Exact two-sided sign/McNemar test p-value of k successes in n fair trials."""
+    if n == 0:
+        return 1.0
+    pk = [math.comb(n, i) / 2 ** n for i in range(n + 1)]
+    return min(1.0, sum(p for p in pk if p <= pk[k] * (1 + 1e-12)))
+
+
+# ---------------------------------------------------------------- loading
+def load_results(out: Path, target: float | None = None) -> tuple[list[dict], list[dict]]:
+    """Cached results (ok, failed); with ``target`` the iterations-to-target are recomputed from the curves."""
+    from .measures import iterations_to_target
+
+    ok, failed = [], []
+    for path in sorted((out / "results").glob("*.json")):
+        r = json.loads(path.read_text())
+        if "error" not in r and target is not None:
+            r["iters_to_target"] = iterations_to_target(r["reward_base_curve"], target)
+            r["target_reward"] = target
+        (failed if "error" in r else ok).append(r)
+    return ok, failed
+
+
+def method_order(results: list[dict], preferred: list[str]) -> list[str]:
+    present = {r["method"] for r in results}
+    return [m for m in preferred if m in present] + sorted(present - set(preferred))
+
+
+# ---------------------------------------------------------------- tables
+def summary_rows(results: list[dict], methods: list[str], lrs: list[float]) -> list[dict]:
+    by = defaultdict(list)
+    for r in results:
+        by[(r["lr"], r["method"])].append(r)
+    rows = []
+    for lr in lrs:
+        for m in methods:
+            rs = by.get((lr, m), [])
+            if not rs:
+                continue
+            k = sum(r["collapsed"] for r in rs)
+            lo, hi = wilson(k, len(rs))
+            rules = defaultdict(int)
+            for r in rs:
+                if r["collapsed"]:
+                    rules[r["collapse_rule"]] += 1
+            reached = [r["iters_to_target"] for r in rs if r["iters_to_target"] is not None]
+            rows.append({
+                "lr": lr, "method": m, "n": len(rs), "collapses": k, "ci": (lo, hi),
+                "rules": ", ".join(f"{rule} {c}" for rule, c in sorted(rules.items())) or "–",
+                "reached": len(reached), "iters": reached,
+                "final": [r["reward_after"] for r in rs], "last5": [r["reward_base_last5"] for r in rs],
+                "util": [r["token_utilisation"] for r in rs], "signal": [r["signal_share"] for r in rs],
+                "wall": [r["wall_s"] for r in rs],
+            })
+    return rows
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | reached target | iters to target |"
+             " final greedy reward | sampled reward, last 5 it. | token utilisation | samples with signal |"
+             " wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["ci"]
+        lines.append(
+            f"| {r['lr']:g} | {r['method']} | {r['n']} | {r['collapses']}/{r['n']} = {r['collapses'] / r['n']:.0%} "
+            f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
+            f"{fmt_ms(r['final'])} | {fmt_ms(r['last5'])} | {fmt_ms(r['util'])} | {fmt_ms(r['signal'], 2)} | "
+            f"{fmt_ms(r['wall'], 0)} |")
+    return lines
+
+
+def paired_rows(results: list[dict], methods: list[str], lrs: list[float], baseline: str = "grpo") -> list[dict]:
+    idx = {(r["method"], r["lr"], r["seed"]): r for r in results}
+    rows = []
+    for lr in lrs:
+        for m in methods:
+            if m == baseline:
+                continue
+            pairs = [(idx[(m, lr, s)], idx[(baseline, lr, s)]) for (mm, ll, s) in idx
+                     if mm == m and ll == lr and (baseline, lr, s) in idx]
+            if not pairs:
+                continue
+            only_m = sum(a["collapsed"] and not b["collapsed"] for a, b in pairs)
+            only_b = sum(b["collapsed"] and not a["collapsed"] for a, b in pairs)
+            d_final = [a["reward_after"] - b["reward_after"] for a, b in pairs
+                       if a["reward_after"] is not None and b["reward_after"] is not None]
+            wins = sum(d > 0 for d in d_final)
+            losses = sum(d < 0 for d in d_final)
+            both = [(a["iters_to_target"], b["iters_to_target"]) for a, b in pairs
+                    if a["iters_to_target"] is not None and b["iters_to_target"] is not None]
+            reach = (sum(a["iters_to_target"] is not None for a, _ in pairs),
+                     sum(b["iters_to_target"] is not None for _, b in pairs))
+            u_m, _, _ = mean_sd(a["token_utilisation"] for a, _ in pairs)
+            u_b, _, _ = mean_sd(b["token_utilisation"] for _, b in pairs)
+            rows.append({"lr": lr, "method": m, "pairs": len(pairs), "only_m": only_m, "only_b": only_b,
+                         "p_collapse": binom_two_sided(only_m, only_m + only_b),
+                         "d_final": d_final, "wins": wins, "losses": losses,
+                         "p_final": binom_two_sided(wins, wins + losses),
+                         "steps_ratio": [a / b for a, b in both], "both_reached": len(both), "reach": reach,
+                         "util_ratio": u_m / u_b if u_b and math.isfinite(u_b) else float("nan")})
+    return rows
+
+
+def paired_table(rows: list[dict], baseline: str = "grpo") -> list[str]:
+    lines = [f"| LR | method | paired seeds | collapsed only with method / only with {baseline} (exact p) |"
+             f" Δ final greedy reward vs {baseline} | wins/losses (sign p) | reached target (method, {baseline}) |"
+             f" steps ratio when both reached | token utilisation ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['lr']:g} | {r['method']} | {r['pairs']} | {r['only_m']} / {r['only_b']} ({r['p_collapse']:.2f}) | "
+            f"{fmt_ms(r['d_final'])} | {r['wins']}/{r['losses']} ({r['p_final']:.2f}) | "
+            f"{r['reach'][0]}, {r['reach'][1]} | {fmt_ms(r['steps_ratio'], 2)} (n={r['both_reached']}) | "
+            f"{r['util_ratio']:.2f}× |")
+    return lines
+
+
+# ---------------------------------------------------------------- plots
+def plot(results: list[dict], methods: list[str], lrs: list[float], rows: list[dict], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(methods)), 3.5))
+    width = 0.8 / max(1, len(lrs))
+    for j, lr in enumerate(lrs):
+        xs, ys, errs = [], [], []
+        for i, m in enumerate(methods):
+            row = next((r for r in rows if r["lr"] == lr and r["method"] == m), None)
+            if row is None:
+                continue
+            rate = row["collapses"] / row["n"]
+            xs.append(i + j * width)
+            ys.append(rate)
+            errs.append([[rate - row["ci"][0]], [row["ci"][1] - rate]])
+        if xs:
+            err = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
+            ax.bar(xs, ys, width, yerr=err, capsize=3, label=f"lr {lr:g}")
+    ax.set_xticks([i + width * (len(lrs) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("collapse rate (95% CI)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "collapse_rate.png", dpi=110)
+    plt.close(fig)
+    names.append("collapse_rate.png")
+
+    fig, axes = plt.subplots(2, len(lrs), figsize=(5.5 * len(lrs), 6.5), squeeze=False)
+    for j, lr in enumerate(lrs):
+        for m in methods:
+            rs = [r for r in results if r["lr"] == lr and r["method"] == m]
+            for row, key in ((0, "reward_base_curve"), (1, "entropy_curve")):
+                curves = [r[key] for r in rs if r.get(key)]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                mean = [statistics.fmean(float(c[i]) for c in curves) for i in range(n)]
+                style = "-" if not m.startswith("dpcc-") else ":"
+                axes[row][j].plot(range(1, n + 1), mean, style, label=m, lw=1.3)
+        axes[0][j].set_title(f"lr {lr:g}: sampled rule reward (mean over seeds)", fontsize=9)
+        axes[1][j].set_title(f"lr {lr:g}: token entropy (mean over seeds)", fontsize=9)
+        axes[1][j].set_xlabel("iteration")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "curves.png", dpi=110)
+    plt.close(fig)
+    names.append("curves.png")
+    return names
+
+
+# ---------------------------------------------------------------- report
+def claims_paragraph(summary: list[dict], paired: list[dict], lrs: list[float]) -> list[str]:
+    def rate(method, lr=None):
+        rs = [r for r in summary if r["method"] == method and (lr is None or r["lr"] == lr)]
+        n = sum(r["n"] for r in rs)
+        return (sum(r["collapses"] for r in rs), n)
+
+    lines = []
+    (g_k, g_n), (d_k, d_n) = rate("grpo"), rate("dpcc")
+    if g_n and d_n:
+        lines.append(f"- **Collapse rate** (claim: {CLAIMS['collapse'][0]:.0%} → {CLAIMS['collapse'][1]:.0%}). "
+                     f"Measured over all learning rates: GRPO {g_k}/{g_n} = {g_k / g_n:.0%}, "
+                     f"DPCC {d_k}/{d_n} = {d_k / d_n:.0%}.")
+        for lr in lrs:
+            (gk, gn), (dk, dn) = rate("grpo", lr), rate("dpcc", lr)
+            if gn and dn:
+                lines.append(f"  At lr {lr:g}: GRPO {gk}/{gn}, DPCC {dk}/{dn}.")
+    for r in paired:
+        if r["method"] != "dpcc":
+            continue
+        ratio, _, n = mean_sd(r["steps_ratio"])
+        steps = (f"mean steps ratio DPCC/GRPO {ratio:.2f} over the {n} seeds where both reached the target, "
+                 f"i.e. {1 - ratio:+.0%} fewer steps" if n else "no seed where both reached the target")
+        lines.append(f"- **Steps to the same performance at lr {r['lr']:g}** (claim: {CLAIMS['fewer_steps']:.0%} "
+                     f"fewer): {steps}; reached by DPCC in {r['reach'][0]}/{r['pairs']}, "
+                     f"by GRPO in {r['reach'][1]}/{r['pairs']} seeds.")
+        lines.append(f"- **Sample utilisation at lr {r['lr']:g}** (claim: {CLAIMS['utilisation']}×): token "
+                     f"utilisation ratio DPCC/GRPO {r['util_ratio']:.2f}×.")
+    return lines
+
+
+def machine() -> str:
+    import os
+
+    try:
+        import torch
+        tv = torch.__version__
+    except ImportError:
+        tv = "?"
+    try:
+        from importlib.metadata import version
+        mv = version("megatron-core")
+    except Exception:
+        mv = "?"
+    return (f"{platform.platform()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+            f"torch {tv}, megatron-core {mv}")
+
+
+def _commands(manifest: dict) -> list[str]:
+    cmds = manifest.get("commands") or ([manifest["command"]] if manifest.get("command") else [])
+    return cmds or ["python -m benchmarks.stability.run"]
+
+
+def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None) -> Path:
+    from .grid import METHODS
+
+    results, failed = load_results(out, target)
+    if not results:
+        raise SystemExit(f"no results under {out / 'results'}: run `python -m benchmarks.stability.run` first")
+    manifest = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
+    methods = method_order(results, list(METHODS))
+    lrs = sorted({r["lr"] for r in results})
+    seeds = sorted({r["seed"] for r in results})
+    summary = summary_rows(results, methods, lrs)
+    paired = paired_rows(results, methods, lrs)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    pngs = plot(results, methods, lrs, summary, md_path.parent)
+    full = manifest.get("full_grid_runs")
+    status = (f"**Partial run: {len(results)} of the {full} runs of the full grid.**" if full and len(results) < full
+              else f"{len(results)} runs.")
+    target = results[0].get("target_reward")
+    lines = [
+        "# Stability benchmark: DPCC vs GRPO, DAPO, GSPO, CISPO (miniature, CPU)", "",
+        status + f" Methods: {', '.join(methods)}. Learning rates: {', '.join(f'{x:g}' for x in lrs)}. "
+        f"Seeds: {', '.join(map(str, seeds))} (paired: every method sees the same seeds)."
+        + (f" {len(failed)} runs failed and are excluded: "
+           + ", ".join(f"{r['method']} lr {r['lr']:g} seed {r['seed']}" for r in failed) + "." if failed else ""),
+        "",
+        f"- Date of the analysis: {manifest.get('analysis_date') or __import__('datetime').date.today()}; "
+        f"runs started {manifest.get('started', '?')}.",
+        f"- Machine: {manifest.get('machine') or machine()}.",
+        "- Commands: " + ", then ".join(f"`{c}`" for c in _commands(manifest))
+        + f", then `python -m benchmarks.stability.analyze --out {manifest.get('out', out)}`.",
+        "- Full grid (9 methods × 2 LRs × 8 seeds = 144 runs): `python -m benchmarks.stability.run --grid full "
+        "--out runs/stability --jobs 2` (resumable: rerun the same command after an interruption).",
+        "",
+        "## Setup", "",
+        "The real stack: `dpcc-megatron train` (one process, TP=1) on the demo's tiny Megatron-Core GPT "
+        "(2 layers, hidden 128) with the character tokenizer, the synthetic 1-digit addition task, "
+        f"{manifest.get('warm_start', {}).get('steps', '?')} supervised warm-start steps shared by every run, then "
+        f"{manifest.get('iterations', '?')} RL iterations (8 prompts × 8 samples, 2 Adam steps per iteration). "
+        "The baselines use the rule reward only and no drift-aware LR; `dpcc` uses the dual-track reward, the "
+        "adaptive τ, the early phase and the drift-aware LR (all defaults). The monitor's collapse detector "
+        "(`run_detector`) judges each run's metric stream; a run collapsed when it raised a confirmed critical "
+        "alert, `low_entropy` (entropy below the band [0.3, 1.6] nats for 3 iterations), or `reward_collapse` "
+        f"while the sampled rule reward was below the target. Target: sampled rule reward (3-iteration moving "
+        f"mean) ≥ {target}. 'Final greedy reward' is the trainer's held-out greedy rule reward after RL "
+        "(0.30 before RL). Token utilisation is the trainer's `sample_utilization` (share of tokens with a "
+        "nonzero advantage whose gradient is nonzero); 'samples with signal' is 1 − the zero-variance group share.",
+        "",
+        "## Results (mean ± standard deviation over seeds)", "",
+        *summary_table(summary), "",
+        "## Paired comparison with GRPO (same seeds)", "",
+        *paired_table(paired), "",
+        *[f"![{p}]({p})" for p in pngs], "",
+        "## Against the published claims", "",
+        *claims_paragraph(summary, paired, lrs), "",
+    ]
+    if notes is not None and notes.is_file():
+        lines += ["## Interpretation", "", notes.read_text().strip(), ""]
+    md_path.write_text("\n".join(lines))
+    return md_path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/stability", help="the runner's output directory")
+    p.add_argument("--results-md", default="benchmarks/stability/RESULTS.md", help="report to write")
+    p.add_argument("--notes", default=None, help="markdown file appended as the interpretation section")
+    p.add_argument("--target", type=float, default=None,
+                   help="target sampled rule reward for 'iterations to target' (default: the grid's)")
+    args = p.parse_args(argv)
+    path = write_report(Path(args.out).resolve(), Path(args.results_md), Path(args.notes) if args.notes else None,
+                        args.target)
+    print(f"[stability] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

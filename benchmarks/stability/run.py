@@ -1,0 +1,209 @@
+"""Resumable runner of the stability benchmark.
+
+    python -m benchmarks.stability.run --grid full --out runs/stability [--seeds 1,2] [--jobs 2]
+
+One `dpcc-megatron train` subprocess per (method, lr, seed); each result is cached as
+OUT/results/<method>__lr<lr>__s<seed>.json, so an interrupted benchmark resumes where it
+stopped (finished runs are skipped, an unfinished one starts again). The supervised
+warm-start runs once (OUT/warm_start) and every run loads its weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from .grid import BASE_CONFIG, GRIDS, WARM_START, Grid, build_config, run_key, run_overrides
+
+RESULT_VERSION = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)  # atomic: a killed runner never leaves a half-written result
+
+
+def train_once(cfg: dict, run_dir: Path, timeout_s: float) -> tuple[int, float, str]:
+    """Run the trainer on ``cfg`` in its own process; returns (exit code, wall seconds, log tail)."""
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "dpcc_megatron.cli", "train", "--config", str(cfg_path)]
+    t0 = time.time()
+    with open(run_dir / "train.log", "w") as log:
+        try:
+            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = 124
+    tail = (run_dir / "train.log").read_text(errors="replace")[-2000:]
+    return rc, time.time() - t0, tail
+
+
+def warm_start_spec(grid: Grid) -> dict:
+    return {"model": BASE_CONFIG["model"], "data": BASE_CONFIG["data"], "steps": grid.warm_start_steps,
+            **WARM_START}
+
+
+def ensure_warm_start(out: Path, grid: Grid, timeout_s: float) -> Path:
+    """The shared warm-start checkpoint, trained once; reused while its spec is unchanged."""
+    wdir = out / "warm_start"
+    spec = warm_start_spec(grid)
+    ckpt = wdir / "checkpoints" / "iter_0000000"
+    spec_path = wdir / "spec.json"
+    if ckpt.is_dir() and spec_path.is_file() and json.loads(spec_path.read_text()) == spec:
+        return ckpt
+    cfg = build_config({"train.iterations": 0, "train.warmup_sft_steps": spec["steps"],
+                        "train.warmup_sft_lr": WARM_START["lr"], "train.seed": WARM_START["seed"],
+                        "train.output_dir": str(wdir), "checkpoint.dir": str(wdir / "checkpoints")})
+    print(f"[stability] warm-start ({spec['steps']} supervised steps) -> {ckpt}", flush=True)
+    rc, wall, tail = train_once(cfg, wdir, timeout_s)
+    if rc != 0 or not ckpt.is_dir():
+        raise RuntimeError(f"warm-start failed (exit {rc}); log tail:\n{tail}")
+    _write_json(spec_path, spec)
+    print(f"[stability] warm-start done in {wall:.0f}s", flush=True)
+    return ckpt
+
+
+def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
+    """Train one (method, lr, seed), judge it, cache and return its result."""
+    from dpcc_megatron.config import load_config
+
+    from .measures import run_measures
+
+    key = run_key(method, lr, seed)
+    run_dir = out / "runs" / key
+    overrides = run_overrides(grid, method, lr, seed)
+    cfg = build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
+    rc, wall, tail = train_once(cfg, run_dir, timeout_s)
+    result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
+              "exit_code": rc}
+    summary_path, metrics_path = run_dir / "train_summary.json", run_dir / "metrics.jsonl"
+    if not (summary_path.is_file() and metrics_path.is_file()):
+        result.update(error=f"trainer exit {rc} without outputs", log_tail=tail, wall_s=round(wall, 2))
+    else:
+        summary = json.loads(summary_path.read_text())
+        records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+        monitor_cfg = load_config(run_dir / "config.yaml").monitor
+        result.update(run_measures(records, summary, monitor_cfg, grid.target_reward, wall))
+    _write_json(out / "results" / f"{key}.json", result)
+    return result
+
+
+def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
+    """Runs of ``grid`` without a cached result of this version and the same overrides."""
+    todo = []
+    for method, lr, seed in grid.runs():
+        path = out / "results" / f"{run_key(method, lr, seed)}.json"
+        if path.is_file():
+            try:
+                cached = json.loads(path.read_text())
+                if (cached.get("version") == RESULT_VERSION and "error" not in cached
+                        and cached.get("overrides") == run_overrides(grid, method, lr, seed)):
+                    continue
+            except json.JSONDecodeError:
+                pass
+        todo.append((method, lr, seed))
+    return todo
+
+
+def write_manifest(out: Path, grid: Grid, argv) -> None:
+    """What the report needs to say how the results were made."""
+    from .analyze import machine
+
+    path = out / "manifest.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python -m benchmarks.stability.run", *args])
+    commands = old.get("commands") or ([old["command"]] if old.get("command") else [])
+    _write_json(path, {
+        "commands": commands + [command] if command not in commands else commands,
+        "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(), "out": str(out), "iterations": grid.iterations,
+        "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
+        "full_grid_runs": len(GRIDS["full"].runs()) if grid.iterations == GRIDS["full"].iterations else None,
+    })
+
+
+def _csv(kind):
+    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def select_grid(args) -> Grid:
+    grid = GRIDS[args.grid]
+    if args.methods:
+        grid = replace(grid, methods=args.methods)
+    if args.lrs:
+        grid = replace(grid, lrs=args.lrs)
+    if args.seeds:
+        grid = replace(grid, seeds=args.seeds)
+    if args.iterations:
+        grid = replace(grid, iterations=args.iterations)
+    return grid
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", choices=sorted(GRIDS), default="full")
+    p.add_argument("--out", default="runs/stability", help="results, run logs and the warm-start")
+    p.add_argument("--methods", type=_csv(str), help="comma list (default: the grid's)")
+    p.add_argument("--lrs", type=_csv(float), help="comma list of learning rates (default: the grid's)")
+    p.add_argument("--seeds", type=_csv(int), help="comma list of seeds (default: the grid's)")
+    p.add_argument("--iterations", type=int, help="RL iterations per run (default: the grid's)")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one process each)")
+    p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
+    p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
+    args = p.parse_args(argv)
+
+    out = Path(args.out).resolve()
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    grid = select_grid(args)
+    todo = pending_runs(grid, out)
+    total = len(grid.runs())
+    print(f"[stability] {total} runs in the grid, {total - len(todo)} cached, {len(todo)} to run", flush=True)
+    if not todo:
+        return 0
+    warm = ensure_warm_start(out, grid, args.run_timeout)
+    write_manifest(out, grid, argv)
+    deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
+    failures = 0
+
+    def work(item):
+        if deadline is not None and time.time() > deadline:
+            return None
+        method, lr, seed = item
+        res = run_one(grid, method, lr, seed, out, warm, args.run_timeout)
+        status = ("ERROR " + res["error"]) if "error" in res else (
+            f"collapsed ({res['collapse_rule']} @ {res['collapse_iteration']})" if res["collapsed"] else "stable")
+        print(f"[stability] {run_key(method, lr, seed)}: {status}, reward {res.get('reward_before')} -> "
+              f"{res.get('reward_after')}, {res['wall_s']:.0f}s", flush=True)
+        return res
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for res in pool.map(work, todo):
+            failures += res is not None and "error" in res
+    left = len(pending_runs(grid, out))
+    print(f"[stability] done: {total - left}/{total} runs have results, {failures} failed this time", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
