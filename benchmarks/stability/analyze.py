@@ -271,8 +271,10 @@ def _commands(manifest: dict) -> list[str]:
 
 
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None) -> Path:
-    from .grid import METHODS
+    from .grid import GRIDS, METHODS
+    from .measures import BAND, SOLVED
 
+    full_grid = GRIDS["full"]
     results, failed = load_results(out, target)
     if not results:
         raise SystemExit(f"no results under {out / 'results'}: run `python -m benchmarks.stability.run` first")
@@ -284,7 +286,7 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
     paired = paired_rows(results, methods, lrs)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     pngs = plot(results, methods, lrs, summary, md_path.parent)
-    full = manifest.get("full_grid_runs")
+    full = len(full_grid.runs()) if manifest.get("iterations", full_grid.iterations) == full_grid.iterations else None
     status = (f"**Partial run: {len(results)} of the {full} runs of the full grid.**" if full and len(results) < full
               else f"{len(results)} runs.")
     target = results[0].get("target_reward")
@@ -300,8 +302,9 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         f"- Machine: {manifest.get('machine') or machine()}.",
         "- Commands: " + ", then ".join(f"`{c}`" for c in _commands(manifest))
         + f", then `python -m benchmarks.stability.analyze --out {manifest.get('out', out)}`.",
-        "- Full grid (9 methods × 2 LRs × 8 seeds = 144 runs): `python -m benchmarks.stability.run --grid full "
-        "--out runs/stability --jobs 2` (resumable: rerun the same command after an interruption).",
+        f"- Full grid ({len(full_grid.methods)} methods × {len(full_grid.lrs)} LRs × {len(full_grid.seeds)} seeds = "
+        f"{len(full_grid.runs())} runs): `python -m benchmarks.stability.run --grid full --out runs/stability "
+        "--jobs 2` (resumable: rerun the same command after an interruption).",
         "",
         "## Setup", "",
         "The real stack: `dpcc-megatron train` (one process, TP=1) on the demo's tiny Megatron-Core GPT "
@@ -311,8 +314,10 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "The baselines use the rule reward only and no drift-aware LR; `dpcc` uses the dual-track reward, the "
         "adaptive τ, the early phase and the drift-aware LR (all defaults). The monitor's collapse detector "
         "(`run_detector`) judges each run's metric stream; a run collapsed when it raised a confirmed critical "
-        "alert, `low_entropy` (entropy below the band [0.3, 1.6] nats for 3 iterations), or `reward_collapse` "
-        f"while the sampled rule reward was below the target. Target: sampled rule reward (3-iteration moving "
+        f"alert, `low_entropy` (entropy below the band for 3 iterations; the band is {BAND[0]}× to {BAND[1]}× the "
+        "warm-started policy's entropy, measured at iteration 1 before any update), or `reward_collapse` "
+        f"(no reward variance for 5 iterations) while the sampled rule reward was below {SOLVED}. The detector "
+        "only judges: no sidecar runs, so no advice reaches the trainer. Target: sampled rule reward (3-iteration moving "
         f"mean) ≥ {target}. 'Final greedy reward' is the trainer's held-out greedy rule reward after RL "
         "(0.30 before RL). Token utilisation is the trainer's `sample_utilization` (share of tokens with a "
         "nonzero advantage whose gradient is nonzero); 'samples with signal' is 1 − the zero-variance group share.",

@@ -139,7 +139,6 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
         "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(), "out": str(out), "iterations": grid.iterations,
         "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
-        "full_grid_runs": len(GRIDS["full"].runs()) if grid.iterations == GRIDS["full"].iterations else None,
     })
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stability.grid import AGGRESSIVE_LR, BROKEN_LR, run_key
+from benchmarks.stability.analyze import binom_two_sided, wilson
+from benchmarks.stability.grid import AGGRESSIVE_LR, BROKEN_LR, GRIDS, early_phase_steps, run_key, run_overrides
+from benchmarks.stability.measures import collapse_verdict, iterations_to_target, judge_config
+from dpcc_megatron.config.monitor import MonitorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +23,50 @@ def _module(*args) -> str:
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def _records(entropies, reward=0.3, reward_std=0.2):
+    return [{"iteration": i, "entropy": e, "reward_base_mean": reward, "reward_std": reward_std,
+             "zero_var_frac": 0.0 if reward_std else 1.0, "kl_old_new": 0.01, "grad_norm": 1.0}
+            for i, e in enumerate(entropies)]
+
+
+def test_iterations_to_target_uses_full_windows_only():
+    assert iterations_to_target([0.9, 0.0, 0.0, 0.5, 0.5, 0.5], 0.5) == 6
+    assert iterations_to_target([0.9, 0.2, 0.2], 0.5) is None  # a lucky first value is not "reached"
+    assert iterations_to_target([0.6, 0.6, 0.6, float("nan")], 0.5) == 3
+
+
+def test_verdict_flags_entropy_collapse_relative_to_the_warm_start_band():
+    cfg = MonitorConfig()
+    healthy = _records([0.8] * 10)
+    assert judge_config(cfg, healthy).entropy_band == pytest.approx((0.32, 1.6))
+    assert not collapse_verdict(healthy, judge_config(cfg, healthy))["collapsed"]
+    collapsed = _records([0.8, 0.5, 0.1, 0.05, 0.05, 0.05])
+    v = collapse_verdict(collapsed, judge_config(cfg, collapsed))
+    assert v["collapsed"] and v["collapse_rule"] == "low_entropy" and v["collapse_iteration"] == 4
+
+
+def test_reward_variance_collapse_counts_only_below_solved():
+    cfg = MonitorConfig(entropy_band=(0.1, 2.0))
+    stuck = _records([0.8] * 8, reward=0.09, reward_std=0.0)
+    assert collapse_verdict(stuck, cfg)["collapse_rule"] == "reward_collapse"
+    solved = _records([0.8] * 8, reward=1.0, reward_std=0.0)
+    v = collapse_verdict(solved, cfg)
+    assert not v["collapsed"] and v["alerts_by_rule"] == {"reward_collapse": 1}
+    assert collapse_verdict(_records([0.8] * 3), cfg, "stopped: 5 consecutive non-finite steps")["collapsed"]
+
+
+def test_paired_statistics_and_grid_overrides():
+    assert binom_two_sided(0, 6) == pytest.approx(2 / 64)
+    assert binom_two_sided(3, 6) == pytest.approx(1.0)
+    lo, hi = wilson(0, 8)
+    assert lo == 0.0 and 0.3 < hi < 0.4
+    grid = GRIDS["full"]
+    assert early_phase_steps(grid) == 8  # 20% of 20 iterations x 2 steps
+    assert run_overrides(grid, "dpcc-stepsize", 2e-3, 3)["optim.lr_warmup_iters"] == 8
+    assert run_overrides(grid, "grpo", 2e-3, 3)["loss.dpcc.drift_lr"] is False
+    assert len({m for m, _, s in grid.runs() if s == 1}) == len(grid.methods)
 
 
 @pytest.mark.slow
