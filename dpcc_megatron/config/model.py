@@ -1,6 +1,7 @@
 """Model architecture, parallel layout and precision sections."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -105,26 +106,39 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Training and rollout precision. Loss math (log-probs, ratios, KL) is always fp32."""
+    """Training precision, FP8 and the sampler/trainer mismatch correction.
+
+    Loss math (log-probs, ratios, KL, entropy, advantages) is fp32 whatever the training
+    precision. Hardware and Transformer Engine checks run before the model is built
+    (:func:`dpcc_megatron.megatron.precision.check_precision_environment`).
+    """
 
     params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision; bf16/fp16 use Megatron's mixed-precision optimizer with fp32 main weights."""
     transformer_engine: bool = False
     """Use Transformer Engine layer specs (requires the `gpu` extra)."""
     fp8: Optional[Literal["delayed", "current", "mxfp8"]] = None
-    """FP8 recipe (requires transformer_engine)."""
+    """FP8 recipe: delayed scaling, per-tensor current scaling, or MXFP8 block scaling (compute
+    capability >= 10.0). Requires transformer_engine and params_dtype bf16."""
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
-    """FP8 format for delayed/current scaling."""
+    """FP8 format: hybrid (E4M3 forward, E5M2 gradients) or E4M3 everywhere."""
     fp8_amax_history_len: int = 1024
     """Delayed scaling: amax history length."""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     """Delayed scaling: how amax is taken from the history."""
+    fp8_margin: int = 0
+    """Delayed scaling: scale margin (the scale is divided by 2**margin)."""
     initial_loss_scale: float = 65536.0
     """FP16 dynamic loss scaling: starting scale."""
     min_loss_scale: float = 1.0
     """FP16 dynamic loss scaling: floor."""
     loss_scale_window: int = 1000
-    """FP16: overflow-free steps before the scale grows."""
+    """FP16: overflow-free steps before the scale doubles."""
+    loss_scale_hysteresis: int = 2
+    """FP16: overflow steps (counted down, reset by a window of clean steps) before the scale halves."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the sampler/trainer mismatch: each token's policy
+    loss is multiplied by sg(min(pi_trainer_old / pi_sampler, tis_cap)). None: off."""
 
     def validate(self) -> None:
         check(self.fp8 is None or self.transformer_engine, "fp8",
@@ -132,12 +146,15 @@ class PrecisionConfig:
         check(self.fp8 is None or self.params_dtype == "bf16", "fp8",
               f"requires params_dtype bf16, got {self.params_dtype}")
         check(self.fp8_amax_history_len >= 1, "fp8_amax_history_len", f"must be >= 1, got {self.fp8_amax_history_len}")
+        check(self.fp8_margin >= 0, "fp8_margin", f"must be >= 0, got {self.fp8_margin}")
         check(self.initial_loss_scale > 0, "initial_loss_scale", f"must be > 0, got {self.initial_loss_scale}")
         check(0 < self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale",
               f"must be in (0, initial_loss_scale], got {self.min_loss_scale}")
         check(self.loss_scale_window >= 1, "loss_scale_window", f"must be >= 1, got {self.loss_scale_window}")
-
-
+        check(self.loss_scale_hysteresis >= 1, "loss_scale_hysteresis",
+              f"must be >= 1, got {self.loss_scale_hysteresis}")
+        check(self.tis_cap is None or (math.isfinite(self.tis_cap) and self.tis_cap >= 1.0), "tis_cap",
+              f"must be a finite number >= 1 (or null to disable), got {self.tis_cap}")
 
 
 __all__ = ["ModelConfig", "ParallelConfig", "PrecisionConfig"]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, PrecisionConfig
+from .precision import check_precision_environment, fp8_transformer_fields, te_layer_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,6 +67,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         deallocate_pipeline_outputs=False,
+        **fp8_transformer_fields(precision),
     )
     # Set after construction: the constructor's MoE check rejects it for dense models,
     # but the pipeline schedule needs it to exchange shapes when lengths vary per batch.
@@ -76,12 +78,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
 def layer_spec(model: ModelConfig, precision: PrecisionConfig):
     if precision.transformer_engine:
         try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
             import transformer_engine  # noqa: F401
         except ImportError as e:
             raise RuntimeError("precision.transformer_engine is set but Transformer Engine is not installed "
                                "(pip install 'dpcc-megatron[gpu]')") from e
-        return get_gpt_layer_with_transformer_engine_spec()
+        return te_layer_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(normalization=model.normalization)
@@ -95,6 +96,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
     from megatron.core.models.gpt import GPTModel
 
     precision = precision or PrecisionConfig()
+    check_precision_environment(precision)  # FP8/TE/bf16 vs this machine, before any allocation
     tp = parallel.tensor_model_parallel_size
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

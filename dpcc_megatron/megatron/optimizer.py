@@ -48,8 +48,25 @@ def build_optimizer(chunks, optim: OptimizerConfig, parallel: ParallelConfig, pr
     )
     if precision.params_dtype == "fp16":
         kwargs.update(initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
-                      loss_scale_window=precision.loss_scale_window)
-    return get_megatron_optimizer(MOptConfig(**kwargs), chunks)
+                      loss_scale_window=precision.loss_scale_window, hysteresis=precision.loss_scale_hysteresis)
+    optimizer = get_megatron_optimizer(MOptConfig(**kwargs), chunks)
+    if precision.params_dtype == "fp16":
+        # The schedule multiplies each micro-batch loss by the current loss scale before backward
+        # (Megatron's training loop sets this hook; without it the optimizer's unscale would
+        # shrink every gradient by the scale).
+        for chunk in chunks:
+            getattr(chunk, "module", chunk).config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def grad_scaler(optimizer):
+    """The fp16 dynamic loss scaler of a Megatron optimizer (None for fp32/bf16). Megatron's fp16
+    optimizer itself detects inf/NaN gradients, skips the step and lowers the scale."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None:
+            return scaler
+    return None
 
 
 def build_scheduler(optimizer, optim: OptimizerConfig, total_steps: int):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..algo import LossNormalizer, combine_metrics, get_policy_loss
 from ..config import LossConfig
+from .precision import tis_weights
 from .vocab_parallel import vocab_parallel_token_stats
 
 
@@ -42,6 +43,8 @@ class RLBatch:
     """[N] fp32."""
     ref_logprobs: Optional[torch.Tensor] = None
     """[N, L-1] fp32, when a reference-KL penalty is on."""
+    sampler_logprobs: Optional[torch.Tensor] = None
+    """[N, L-1] fp32: the rollout sampler's log-probs of the targets (for the TIS correction)."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -134,18 +137,39 @@ def global_normalizer(batch: RLBatch, dp_group) -> LossNormalizer:
                           max_len=int(length[0]))
 
 
-def policy_loss_fn(loss_cfg: LossConfig, normalizer: LossNormalizer) -> LossFn:
+def policy_loss_fn(loss_cfg: LossConfig, normalizer: LossNormalizer, tis_cap: Optional[float] = None) -> LossFn:
+    """The registered policy loss; with ``tis_cap`` (``precision.tis_cap``) each token's loss is
+    multiplied by the truncated IS weight sg(min(pi_old / pi_sampler, tis_cap)).
+
+    The weight is applied by scaling the token's advantage: every registered token loss is
+    positively homogeneous in A (l(wA) = w l(A) for w > 0), so this equals weighting the loss
+    term while leaving the reference-KL penalty unweighted (tests/megatron/test_precision.py
+    checks the identity for every registered loss).
+    """
     loss = get_policy_loss(loss_cfg.name)
 
     def fn(logprobs, entropy, mb: RLBatch):
+        advantages = mb.advantages.to(logprobs.device)
+        tis_metrics = {}
+        if tis_cap is not None:
+            if mb.sampler_logprobs is None:
+                raise ValueError("precision.tis_cap is set but the batch carries no sampler_logprobs")
+            mask = mb.mask.to(logprobs.device)
+            weight = tis_weights(mb.old_logprobs.to(logprobs.device), mb.sampler_logprobs.to(logprobs.device),
+                                 mask, tis_cap)
+            advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weight
+            n = mask.sum().clamp(min=1)
+            tis_metrics = {"tis_weight_mean": weight.sum() / n,
+                           "tis_clip_frac": ((weight >= tis_cap) & mask).sum() / n}
         contribution, metrics = loss(logprobs, mb.old_logprobs.to(logprobs.device),
-                                     mb.advantages.to(logprobs.device), mb.mask.to(logprobs.device),
+                                     advantages, mb.mask.to(logprobs.device),
                                      config=loss_cfg, normalizer=normalizer,
                                      ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(logprobs.device))
         mask = mb.mask.to(logprobs.device)
         n = mask.sum().clamp(min=1)
         metrics["entropy"] = (entropy.detach() * mask).sum() / n
         metrics["nll"] = -(logprobs.detach() * mask).sum() / n
+        metrics.update(tis_metrics)
         return contribution, metrics
 
     return fn
@@ -165,7 +189,8 @@ def sft_loss_fn(normalizer: LossNormalizer) -> LossFn:
 
 
 EXTRA_REDUCTIONS = {"entropy": ("mean", "num_tokens"), "nll": ("mean", "num_tokens"),
-                    "nonfinite_logits": ("sum", None)}
+                    "nonfinite_logits": ("sum", None), "tis_weight_mean": ("mean", "num_tokens"),
+                    "tis_clip_frac": ("mean", "num_tokens")}
 
 
 def reduce_step_metrics(outputs: list[dict], dp_group, pp_group) -> dict[str, float]:
