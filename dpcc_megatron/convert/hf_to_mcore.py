@@ -1,0 +1,182 @@
+"""Hugging Face checkpoint -> Megatron-Core distributed checkpoint, holding about one layer at a time.
+
+Two passes, because ``dist_checkpointing.save`` takes the whole sharded state dict at once:
+
+1. *Stage*: unit by unit (embedding, each layer, final norm + head), read the HF tensors
+   lazily, check and cast them, lay them out as Megatron does and write each one raw to a
+   scratch file next to the output. Only the current unit is in memory.
+2. *Save*: map every scratch file back with ``torch.from_file`` (file-backed, paged in on
+   demand, evictable) and give them to ``dist_checkpointing.save`` as the data of the
+   sharded state dict of a TP=1/PP=1 ``GPTModel`` built on the meta device. The layout
+   (keys, global shapes, padded vocabulary, SwiGLU split) is therefore Megatron's own.
+   Each mapped tensor owns its storage exactly, so Megatron's writer does not clone it, and
+   the SwiGLU halves are staged separately for the same reason.
+
+Disk: the scratch files need about the model's size in the target dtype, on the output's
+filesystem; they are removed at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .errors import ConversionError
+from .hf_config import architecture, check_layout, hf_dtype_name, model_config_from_hf
+from .hf_files import HFCheckpoint, copy_tokenizer_files
+from .layout import EMBED, OUTPUT, all_hf_shapes, canonical_name, hf_shapes, iter_hf_to_canonical, units
+from .mcore_format import DTYPE_NAMES, DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, write_model_config
+from .mcore_layout import meta_model
+from .runtime import check_output_dir, single_process_megatron, staged_dir
+from .tensors import checked_cast, pad_rows
+
+
+def _check_names(hf: HFCheckpoint, cfg) -> None:
+    required = {name for name, _ in all_hf_shapes(cfg)}
+    present = hf.names()
+    missing = sorted(required - present)
+    if missing:
+        raise ConversionError(f"{hf.path} lacks {len(missing)} tensor(s) the config implies, e.g. {missing[:5]}")
+    extra = present - required - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if extra:
+        raise ConversionError(f"{hf.path} has {len(extra)} tensor(s) this converter does not map "
+                              f"(refusing to drop them): {sorted(extra)[:5]}")
+
+
+def _target_dtype(requested: Optional[str], hf: HFCheckpoint) -> str:
+    if requested:
+        return requested
+    declared = hf_dtype_name(hf.config)
+    if declared:
+        return declared
+    found = hf.get("model.embed_tokens.weight").dtype
+    if found not in DTYPE_NAMES:
+        raise ConversionError(f"the checkpoint stores {found}; pass --dtype fp32, bf16 or fp16")
+    return DTYPE_NAMES[found]
+
+
+def _reader(hf: HFCheckpoint, shapes: dict, target: torch.dtype) -> Callable[[str], torch.Tensor]:
+    def get(name: str) -> torch.Tensor:
+        t = hf.get(name)
+        if tuple(t.shape) != shapes[name]:
+            raise ConversionError(f"{name} has shape {tuple(t.shape)}, config.json implies {shapes[name]}")
+        return checked_cast(t, target, name)
+
+    return get
+
+
+class _Stager:
+    """Writes tensors raw to scratch files and maps them back, file-backed."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
+
+    def put(self, key: str, t: torch.Tensor) -> None:
+        path = self.root / f"{len(self.files):06d}.raw"
+        t.contiguous().reshape(-1).view(torch.uint8).numpy().tofile(path)
+        self.files[key] = (path, t.dtype, tuple(t.shape))
+
+    def get(self, key: str) -> torch.Tensor:
+        path, dtype, shape = self.files[key]
+        numel = torch.Size(shape).numel()
+        return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+
+
+def _targets(sharded: dict) -> dict[str, tuple]:
+    """canonical name -> ('tensor', shape) or ('swiglu', [shape_gate, shape_up]) from the meta state dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for name, sh in sharded.items():
+        if isinstance(sh, ShardedObject):
+            continue
+        canon = canonical_name(name)
+        if isinstance(sh, ShardedTensor):
+            out[canon] = ("tensor", tuple(sh.local_shape))
+        elif isinstance(sh, ShardedTensorFactory) and canon.endswith("mlp.linear_fc1.weight"):
+            out[canon] = ("swiglu", [tuple(p.local_shape) for p in sh.build()])
+        else:
+            raise ConversionError(f"unexpected entry {name} ({type(sh).__name__}) in the model's sharded state dict")
+    return out
+
+
+def _attach(sharded: dict, stager: _Stager) -> dict:
+    """The sharded state dict with every tensor's data replaced by its staged, file-backed copy."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    out = {}
+    for name, sh in sharded.items():
+        canon = canonical_name(name)
+        if isinstance(sh, ShardedObject):
+            out[name] = sh
+        elif isinstance(sh, ShardedTensorFactory):
+            # Build the factory's two ShardedTensors ourselves, each over its own file: the
+            # factory would chunk one tensor into views, which the writer then clones.
+            parts = sh.build()
+            out[name] = [dataclasses.replace(p, data=stager.get(f"{canon}#{i}")) for i, p in enumerate(parts)]
+        else:
+            out[name] = dataclasses.replace(sh, data=stager.get(canon))
+    return out
+
+
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
+                overwrite: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Convert; returns a summary. Raises ConversionError for any input it cannot convert exactly."""
+    from megatron.core import dist_checkpointing
+    from tqdm import tqdm
+
+    out = Path(out)
+    hf = HFCheckpoint(hf_dir)
+    arch = architecture(hf.config)
+    cfg, notes = model_config_from_hf(hf.config)
+    for note in notes:
+        log(f"note: {note}")
+    check_layout(cfg, tp, pp)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    _check_names(hf, cfg)
+    check_output_dir(out, overwrite)
+    dtype_name = _target_dtype(dtype, hf)
+    target = DTYPES[dtype_name]
+
+    with single_process_megatron(), staged_dir(out, overwrite) as tmp:
+        scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        try:
+            sharded = meta_model(cfg, target).sharded_state_dict()
+            targets = _targets(sharded)
+            stager = _Stager(scratch)
+            for unit in tqdm(units(cfg), desc="hf-to-mcore", unit="unit", disable=not progress):
+                for canon, blocks in iter_hf_to_canonical(cfg, unit, _reader(hf, hf_shapes(cfg, unit), target)):
+                    kind, shape = targets[canon]
+                    if kind == "swiglu":
+                        for i, (block, part_shape) in enumerate(zip(blocks, shape)):
+                            if tuple(block.shape) != part_shape:
+                                raise ConversionError(f"{canon}: half {i} is {tuple(block.shape)}, "
+                                                      f"Megatron expects {part_shape}")
+                            stager.put(f"{canon}#{i}", block)
+                        continue
+                    (t,) = blocks
+                    if canon in (EMBED, OUTPUT):
+                        t = pad_rows(t, shape[0])
+                    if tuple(t.shape) != shape:
+                        raise ConversionError(f"{canon}: laid out as {tuple(t.shape)}, Megatron expects {shape}")
+                    stager.put(canon, t)
+                blocks = t = None  # nothing of this unit survives into the next
+            log(f"writing the distributed checkpoint to {out} ...")
+            dist_checkpointing.save(_attach(sharded, stager), str(tmp))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        write_model_config(tmp, cfg, dtype_name, source={"type": "huggingface", "architecture": arch,
+                                                         "path": str(Path(hf_dir).resolve()),
+                                                         "converted_for": {"tp": tp, "pp": pp}})
+        shutil.copy2(hf.path / "config.json", tmp / HF_CONFIG_FILE)
+        copied = copy_tokenizer_files(hf.path, tmp / TOKENIZER_DIR)
+    return {"out": str(out), "architecture": arch, "dtype": dtype_name, "layers": cfg.num_layers,
+            "tokenizer_files": copied}
