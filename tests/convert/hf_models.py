@@ -1,0 +1,106 @@
+"""Tiny random Hugging Face models for the conversion tests, built offline from configs.
+
+Every parameter gets noise on top of HF's init, so norms and biases are not ones/zeros and
+a mapping mistake anywhere shows up in the logits. Vocabulary 100 is padded by Megatron
+(128 at TP=1, 256 at TP=2), so padding is exercised.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 100
+
+FAMILIES = {
+    # Llama 3.1 style: GQA, llama3 rope scaling, untied.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})),
+    # Qwen2.5 small style: QKV bias, tied embeddings, stored in bf16.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)),
+    # Mistral style: 4:1 GQA, head_dim != hidden/heads, untied.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False)),
+}
+
+
+def build_hf(family: str, out: Path, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+             max_shard_size: str | None = None, tokenizer: bool = False):
+    import transformers
+
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_cls)(vocab_size=VOCAB, **kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model = model.to(dtype)
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **extra)
+    if tokenizer:
+        save_tokenizer(out)
+    return model
+
+
+def save_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
+    vocab["<unk>"] = VOCAB - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(out))
+
+
+def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from dpcc_megatron.convert.verify import hf_logits as _logits
+
+    return _logits(path, tokens)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors directory (one file or an index of shards)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(str(path / f)))
+    return out
+
+
+def edit_weights(src: Path, dst: Path, edit) -> None:
+    """Copy a single-file HF directory, applying ``edit(tensors)`` in place to its weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """Run ``dpcc-megatron ARGV`` in this process; (exit code, stdout, stderr)."""
+    from dpcc_megatron.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse errors
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
