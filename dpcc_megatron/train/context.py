@@ -43,7 +43,7 @@ class RunContext:
     consumed_samples: int = 0
     resumed_state: dict = field(default_factory=dict)
     counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0,
-                                                    "rollbacks": 0})
+                                                    "rollbacks": 0, "fp16_overflows": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
 
@@ -141,7 +141,8 @@ class RunContext:
 
         from .metrics import logprob_stats
 
-        stats = logprob_stats(batch, rollouts, old_lp, entropy) if old_lp is not None else None
+        stats = (logprob_stats(batch, rollouts, old_lp, entropy, self.cfg.precision.tis_cap)
+                 if old_lp is not None else None)
         if dist.is_initialized() and dist.get_world_size(self.pp_group) > 1:
             box = [stats]
             dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)

@@ -18,18 +18,24 @@ def _f(x):
     return v if math.isfinite(v) else None
 
 
-def logprob_stats(batch, rollouts, old_lp, entropy) -> dict:
-    """Entropy, perplexity and sampler/trainer mismatch from the trainer's old-policy forward."""
+def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
+    """Entropy, perplexity and sampler/trainer mismatch (KL(sampler||trainer), importance-weight
+    statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift."""
+    from ..megatron.precision import mismatch_stats
+
     mask = batch.mask
     n = mask.sum().clamp(min=1)
-    sampler = rollouts.sampler_logprob_matrix(mask)
-    diff = (sampler - old_lp) * mask  # log p_sampler - log p_trainer on the sampled tokens
-    return {
+    out = {
         "entropy": float((entropy * mask).sum() / n),
         "perplexity": float(torch.exp(-(old_lp * mask).sum() / n)),
-        "mismatch_kl": float(((torch.exp(-diff) - 1 + diff) * mask).sum() / n),  # k3 KL(sampler || trainer)
-        "mismatch_max_abs": float(diff.abs().max()) if mask.any() else 0.0,
     }
+    sampler = rollouts.sampler_logprob_matrix(mask)
+    try:
+        out.update(mismatch_stats(old_lp, sampler, mask, tis_cap))
+    except ValueError:  # non-finite log-probs: leave the fields out; the step itself is skipped
+        pass
+    out["mismatch_max_abs"] = float(((sampler - old_lp) * mask).abs().max()) if mask.any() else 0.0
+    return out
 
 
 def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps, controller,

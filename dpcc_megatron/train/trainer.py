@@ -111,7 +111,9 @@ def train(cfg: JobConfig) -> dict:
                 steps += 1
                 step_metrics.append(res)
                 ctx.counters["steps_skipped" if res.skipped else "steps_taken"] += 1
-                consecutive_skips = consecutive_skips + 1 if res.skipped else 0
+                ctx.counters["fp16_overflows"] += int(res.overflow)
+                # fp16 overflows while the loss scale settles are normal; only other skips count.
+                consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)

@@ -26,21 +26,32 @@ class StepResult:
     grad_norm: float
     lr: float
     lr_factor: float
+    overflow: bool = False
+    """An fp16 loss-scale overflow that the scaler handled (not a sign of divergence by itself)."""
 
 
-def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, float, float]:
-    """Skip on non-finite gradients (all ranks agree); otherwise step at scheduled LR x factor."""
+def _at_min_scale(scaler) -> bool:
+    return bool(scaler.scale.item() <= scaler.min_scale.item())
+
+
+def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, float, float, bool]:
+    """Skip on non-finite gradients (all ranks agree); otherwise step at scheduled LR x factor.
+
+    Returns (skipped, grad_norm, lr, overflow)."""
+    scaler = grad_scaler(optimizer)
     # fp16: Megatron's optimizer finds the overflow itself, skips and lowers the loss scale.
-    if grad_scaler(optimizer) is None and not grads_are_finite(chunks):
+    if scaler is None and not grads_are_finite(chunks):
         zero_grads(chunks, optimizer)
-        return True, float("nan"), 0.0
+        return True, float("nan"), 0.0, False
     with scaled_lr(optimizer, factor) as scheduled:
         ok, grad_norm, _ = optimizer.step()
     lr = scheduled[0] * factor if scheduled else 0.0
     if scheduler is not None:
         scheduler.step(1)
-    # Megatron's fp16 optimizer reports an overflow step as not successful: count it as skipped.
-    return (not ok), float(grad_norm) if grad_norm is not None else float("nan"), lr
+    # Megatron's fp16 optimizer reports an overflow step as not successful: skipped, and an
+    # ordinary overflow unless the scale is already at its floor (then it is real divergence).
+    overflow = (not ok) and scaler is not None and not _at_min_scale(scaler)
+    return (not ok), float(grad_norm) if grad_norm is not None else float("nan"), lr, overflow
 
 
 def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batch: RLBatch, cfg: JobConfig,
@@ -58,8 +69,8 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     if metrics.get("nonfinite_logits", 0.0) > 0:
         zero_grads(chunks, optimizer)
         return StepResult(metrics, True, float("nan"), 0.0, factor)
-    skipped, grad_norm, lr = _optimizer_step(chunks, optimizer, scheduler, factor)
-    return StepResult(metrics, skipped, grad_norm, lr, factor)
+    skipped, grad_norm, lr, overflow = _optimizer_step(chunks, optimizer, scheduler, factor)
+    return StepResult(metrics, skipped, grad_norm, lr, factor, overflow)
 
 
 def sft_update(chunks, optimizer, batch: RLBatch, cfg: JobConfig, *, dp_size: int, dp_group,
@@ -70,5 +81,5 @@ def sft_update(chunks, optimizer, batch: RLBatch, cfg: JobConfig, *, dp_size: in
                            forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
     # The warm-start has its own constant-LR optimizer, discarded before RL starts.
-    skipped, grad_norm, lr = _optimizer_step(chunks, optimizer, None, 1.0)
-    return StepResult(metrics, skipped, grad_norm, lr, 1.0)
+    skipped, grad_norm, lr, overflow = _optimizer_step(chunks, optimizer, None, 1.0)
+    return StepResult(metrics, skipped, grad_norm, lr, 1.0, overflow)
