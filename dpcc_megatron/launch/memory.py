@@ -243,7 +243,7 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
              f"{params / 1e9:.3f}B params on this GPU x {w:g} B ({work.params_dtype})"),
         Term("grads", "static", params * g, f"fp32 main-grad buffer, {g:g} B/param"),
         Term("optimizer", "static", params * o,
-             (f"fp32 main params + Adam m, v" if work.params_dtype != "fp32" else "Adam m, v")
+             ("fp32 main params + Adam m, v" if work.params_dtype != "fp32" else "Adam m, v")
              + (f", sharded over DPxCP={d_opt} (distributed optimizer)" if layout.distributed_optimizer
                 else ", replicated on every DP rank (distributed optimizer off)")),
     ]

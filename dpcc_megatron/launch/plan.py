@@ -9,11 +9,10 @@ tree onto it and knows Megatron's divisibility rules.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .memory import (GIB, RECOMPUTE, Layout, ModelShape, StageMemory, Workload, estimate, peak_stage)
+from .memory import GIB, RECOMPUTE, Layout, ModelShape, StageMemory, Workload, estimate, peak_stage
 from .throughput import Hardware, IterationTime, iteration_time
 
 
@@ -269,7 +268,3 @@ def format_plan(plan: Plan, title: str = "") -> str:
     lines.append(f"verdict   {verdict}: peak {plan.peak_gib:.2f} GiB of {plan.gpu_mem_gib:g} GiB per GPU")
     lines += [f"  - {r}" for r in plan.reasons()]
     return "\n".join(lines)
-
-
-def replace_hardware(opts: PlanOptions, **changes: Any) -> PlanOptions:
-    return dataclasses.replace(opts, hardware=dataclasses.replace(opts.hardware, **changes))

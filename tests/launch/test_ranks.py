@@ -120,21 +120,19 @@ def test_mpi_through_mpi4py_wins_over_slurm_daemon_variables():
     assert discover_ranks(env, mpi=mpi, hostnames=_no_scontrol) == RankInfo(5, 8, 1, 4, "mpi0", 29500, "mpi")
 
 
-def test_mpi_without_mpi4py_reads_open_mpi_variables_and_needs_master():
-    env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    no_mpi4py = None
-    import dpcc_megatron.launch.ranks as ranks
+def test_mpi_without_mpi4py_reads_launcher_variables_and_needs_master(monkeypatch):
+    import sys
 
-    try:
-        import mpi4py  # noqa: F401
-        pytest.skip("mpi4py is installed; the fallback path is not reachable")
-    except ImportError:
-        pass
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # `from mpi4py import MPI` raises ImportError
+    ompi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     with pytest.raises(LaunchError, match="MASTER_ADDR"):
-        ranks.discover_ranks(env, mpi=no_mpi4py)
-    env["MASTER_ADDR"] = "head"
-    assert ranks.discover_ranks(env, mpi=no_mpi4py) == RankInfo(3, 4, 1, 2, "head", 29500, "mpi")
+        discover_ranks(ompi)
+    assert discover_ranks({**ompi, "MASTER_ADDR": "head"}) == RankInfo(3, 4, 1, 2, "head", 29500, "mpi")
+    mpich = {"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "h"}
+    assert discover_ranks(mpich) == RankInfo(1, 2, 1, 2, "h", 29500, "mpi")
+    with pytest.raises(LaunchError, match="install mpi4py"):
+        discover_ranks({"PMIX_RANK": "0", "MASTER_ADDR": "h"})
 
 
 @pytest.mark.parametrize("spec, counts", [("8", [8]), ("8(x4)", [8] * 4), ("2(x2),1", [2, 2, 1]),
