@@ -2,10 +2,13 @@
 
 Runs only as root with apt-get (as in CI); otherwise :func:`start_local_slurm` raises
 :class:`SlurmUnavailable` with the reason. Daemons already answering on our config are
-reused and left running; the ones started here are stopped by PID.
+reused and left running; the ones started here are stopped by PID. One test session at a
+time holds the cluster (an exclusive lock on ``BASE/session.lock``): a second session waits
+for it, so nobody stops the daemons under another's jobs.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -37,8 +40,6 @@ def _run(cmd: list[str], timeout: float, env: Optional[dict] = None, check: bool
 def _install(timeout: float) -> None:
     if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
         return
-    if os.geteuid() != 0:
-        raise SlurmUnavailable("Slurm is not installed and the tests are not running as root")
     if not shutil.which("apt-get"):
         raise SlurmUnavailable("Slurm is not installed and apt-get is not available")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -102,6 +103,8 @@ class LocalSlurm:
     conf: Path
     env: dict
     started: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    lock: Optional[int] = None
+    """File descriptor of the session lock, released by :meth:`stop`."""
 
     def sbatch(self, args: list[str], env: Optional[dict] = None, attempts: int = 3) -> int:
         """Submit; a busy slurmctld (socket time-out) gets two more tries."""
@@ -149,6 +152,9 @@ class LocalSlurm:
                     proc.kill()
                     proc.wait(5)
         self.started.clear()
+        if self.lock is not None:
+            os.close(self.lock)  # releases the flock
+            self.lock = None
 
 
 def _up(env: dict) -> bool:
@@ -191,12 +197,40 @@ def _wait_for(pred, timeout: float, what: str, procs: list[tuple[str, subprocess
         time.sleep(0.3)
 
 
-def start_local_slurm(install_timeout: float = 300, start_timeout: float = 60) -> LocalSlurm:
+def _session_lock(path: Path, timeout: float) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise SlurmUnavailable(f"another test session held the local Slurm ({path}) for {timeout:.0f}s")
+            time.sleep(1)
+
+
+def start_local_slurm(install_timeout: float = 300, start_timeout: float = 60,
+                      lock_timeout: float = 600) -> LocalSlurm:
     """Install (if needed), configure and start a one-node Slurm; reuse one already up."""
-    _install(install_timeout)
     if os.geteuid() != 0:
-        raise SlurmUnavailable("the local Slurm runs its daemons as root; the tests are not root")
+        if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
+            raise SlurmUnavailable("the local Slurm runs its daemons as root; the tests are not root")
+        raise SlurmUnavailable("Slurm is not installed and the tests are not running as root")
     BASE.mkdir(parents=True, exist_ok=True)
+    lock = _session_lock(BASE / "session.lock", lock_timeout)
+    try:
+        _install(install_timeout)
+        cluster = _start_cluster(start_timeout)
+    except BaseException:
+        os.close(lock)
+        raise
+    cluster.lock = lock
+    return cluster
+
+
+def _start_cluster(start_timeout: float) -> LocalSlurm:
     for sub in ("state", "spool"):
         (BASE / sub).mkdir(exist_ok=True)
     host = socket.gethostname().split(".")[0]
