@@ -43,8 +43,8 @@ class HFCheckpoint:
             self.config = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ConversionError(f"{cfg}: invalid JSON: {e}") from None
-        self.weight_map = self._weight_map()
         self._bin_cache: dict[str, dict] = {}
+        self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):

@@ -1,8 +1,10 @@
 """HF -> Megatron -> HF on tiny Llama / Qwen2 / Mistral models: logit parity at TP=1, TP=2 and
-PP=2 against the HF forward, bit-identical round trips, the verify command, atomic outputs.
+PP=2 against the HF forward, bit-identical round trips (also from a training checkpoint saved
+at TP=2), the verify command, atomic outputs.
 
-To keep process start-ups few, all conversions run in one child process and all Megatron
-forwards in one 2-rank job; the tests below check their results.
+To keep process start-ups few, the conversions run in one child process, all Megatron work
+in one 2-rank job, and the export of the training checkpoint in one more child; the tests
+below check their results.
 """
 import json
 import subprocess
@@ -38,11 +40,13 @@ def _conversions(rank, world, jobs):
     return results
 
 
-def _forwards(rank, world, cases, tokens, ckpt):
-    """2 ranks: Megatron logits for every (checkpoint, TP, PP); then loads that must be refused."""
+def _forwards(rank, world, cases, tokens, ckpt, trained):
+    """2 ranks: Megatron logits for every (checkpoint, TP, PP); loads that must be refused; a
+    training checkpoint (the trainer's own writer) of ``ckpt`` loaded at TP=2."""
     import dataclasses
 
-    from dpcc_megatron.config import ParallelConfig
+    from dpcc_megatron.config import ParallelConfig, to_dict
+    from dpcc_megatron.megatron.checkpoint import save_checkpoint
     from dpcc_megatron.convert import ConversionError, load_mcore_checkpoint, read_model_config
     from dpcc_megatron.convert.verify import mcore_logits
     from dpcc_megatron.megatron.model import build_gpt_model
@@ -63,6 +67,13 @@ def _forwards(rank, world, cases, tokens, ckpt):
             out[name] = str(e)
         finally:
             destroy_model_parallel()
+    init_model_parallel(tp2)
+    try:
+        model = build_gpt_model(cfg, tp2)
+        load_mcore_checkpoint([model], ckpt, cfg)
+        save_checkpoint(trained, 3, [model], None, None, {"model": to_dict(cfg)})
+    finally:
+        destroy_model_parallel()
     return out
 
 
@@ -86,6 +97,7 @@ def work(tmp_path_factory):
 
     for name, edit in (("corrupt", corrupt), ("overflow", overflow), ("int8", quantized)):
         edit_weights(hf["llama"], root / f"llama_{name}", edit)
+    _as_bin(hf["llama"], root / "llama_bin")
     (root / "taken").mkdir()
     (root / "taken" / "old_file").write_text("x")
 
@@ -102,6 +114,7 @@ def work(tmp_path_factory):
     jobs["int8"] = ["convert", "hf-to-mcore", "--hf", str(root / "llama_int8"), "--out", str(root / "int8_mc")]
     jobs["overwrite"] = ["convert", "hf-to-mcore", "--hf", str(hf["qwen2"]), "--out", str(root / "taken"),
                          "--overwrite", "--no-progress"]
+    jobs["bin"] = ["convert", "hf-to-mcore", "--hf", str(root / "llama_bin"), "--out", str(root / "bin_mc")]
     jobs["inv_freq"] = ("inv_freq", str(mc["llama"]))
     (results,) = run_multirank(_conversions, 1, args=(jobs,), timeout=600)
     for key in jobs:
@@ -109,8 +122,22 @@ def work(tmp_path_factory):
             assert results[key][0] == 0, f"{key} failed:\n{results[key][2][-3000:]}"
 
     cases = {(f, tp, pp): (str(mc[f]), tp, pp) for f in FAMILIES for tp, pp in LAYOUTS}
-    ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, str(mc["llama"])), timeout=600)
+    cases[("bin", 1, 1)] = (str(root / "bin_mc"), 1, 1)
+    ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, str(mc["llama"]), str(root / "trained")), timeout=600)
+    export = ["convert", "mcore-to-hf", "--mcore", str(root / "trained"), "--out", str(root / "trained_hf")]
+    (results["trained"],) = run_multirank(_conversions, 1, args=({"trained": export},), timeout=300)
     return {"root": root, "hf": hf, "mc": mc, "results": results, "ranks": ranks}
+
+
+def _as_bin(src, dst):
+    """The same model as a pytorch_model.bin checkpoint (read with weights_only=True)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    torch.save(load_file(str(src / "model.safetensors")), dst / "pytorch_model.bin")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -121,6 +148,24 @@ def test_logits_match_hf(work, family, tp, pp):
     assert len(got) == 1, "exactly one rank (last stage, TP rank 0, DP rank 0) returns logits"
     assert got[0].shape == ref.shape == (2, 16, VOCAB)  # padded vocabulary columns are dropped
     torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=0)
+
+
+def test_bin_checkpoint_converts_like_safetensors(work):
+    (got,) = [r[("bin", 1, 1)] for r in work["ranks"] if r[("bin", 1, 1)] is not None]
+    torch.testing.assert_close(got, hf_logits(work["hf"]["llama"], TOKENS), atol=1e-4, rtol=0)
+
+
+def test_training_checkpoint_exports_to_hf(work):
+    """The trainer's checkpoint (saved at TP=2, padded vocabulary 256, no hf_config.json or
+    tokenizer) exports bit-identically, with a generated config.json transformers loads."""
+    rc, out, err = work["results"]["trained"]["trained"]
+    assert rc == 0, err[-3000:]
+    trained_hf = work["root"] / "trained_hf"
+    a, b = read_tensors(work["hf"]["llama"]), read_tensors(trained_hf)
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    config = json.loads((trained_hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_parameters"]["rope_type"] == "llama3"
+    assert torch.equal(hf_logits(trained_hf, TOKENS), hf_logits(work["hf"]["llama"], TOKENS))
 
 
 def test_llama3_rope_frequencies_match_hf(work):
