@@ -167,3 +167,17 @@ def test_cli_search(capsys):
     assert "ranked by modelled RL-iteration throughput" in out
     rc, js, _ = run_cli(capsys, "--config", str(EXAMPLES / "qwen25_7b.yaml"), "--search")
     assert rc == 2 and "--search needs --gpus" in js["problems"][0]
+
+
+def test_plan_never_imports_torch():
+    """It runs on login nodes and in the sbatch preflight, where importing torch costs seconds."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\n"
+            "from dpcc_megatron.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = main(['plan', '--config', {str(EXAMPLES / 'llama3_70b.yaml')!r}, '--gpus', '64', '--search'])\n"
+            "assert rc == 0, rc\n"
+            "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, 'imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
