@@ -3,7 +3,7 @@
 Cost: the trainer's start-up (imports, model build) dominates. ~8 s for the two rejected
 submissions; measured on 2 cores shared with other work (load 8-20): 90 s for the training
 job and 150-175 s for the preempted-and-requeued one (two start-ups and a ~7 s requeue
-delay); about half that on idle cores.
+delay). The same config under plain torchrun took 34 s at a lower load.
 """
 from __future__ import annotations
 
