@@ -95,6 +95,7 @@ def summary_rows(results: list[dict], methods: list[str], lrs: list[float]) -> l
                 "reached": len(reached), "iters": reached,
                 "final": [r["reward_after"] for r in rs], "last5": [r["reward_base_last5"] for r in rs],
                 "util": [r["token_utilisation"] for r in rs], "signal": [r["signal_share"] for r in rs],
+                "effective": [r.get("effective_utilisation") for r in rs],
                 "wall": [r["wall_s"] for r in rs],
             })
     return rows
@@ -103,15 +104,15 @@ def summary_rows(results: list[dict], methods: list[str], lrs: list[float]) -> l
 def summary_table(rows: list[dict]) -> list[str]:
     lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | reached target | iters to target |"
              " final greedy reward | sampled reward, last 5 it. | token utilisation | samples with signal |"
-             " wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " effective utilisation | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci"]
         lines.append(
             f"| {r['lr']:g} | {r['method']} | {r['n']} | {r['collapses']}/{r['n']} = {r['collapses'] / r['n']:.0%} "
             f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
             f"{fmt_ms(r['final'])} | {fmt_ms(r['last5'])} | {fmt_ms(r['util'])} | {fmt_ms(r['signal'], 2)} | "
-            f"{fmt_ms(r['wall'], 0)} |")
+            f"{fmt_ms(r['effective'], 2)} | {fmt_ms(r['wall'], 0)} |")
     return lines
 
 
@@ -138,26 +139,29 @@ def paired_rows(results: list[dict], methods: list[str], lrs: list[float], basel
                      sum(b["iters_to_target"] is not None for _, b in pairs))
             u_m, _, _ = mean_sd(a["token_utilisation"] for a, _ in pairs)
             u_b, _, _ = mean_sd(b["token_utilisation"] for _, b in pairs)
+            e_m, _, _ = mean_sd(a.get("effective_utilisation") for a, _ in pairs)
+            e_b, _, _ = mean_sd(b.get("effective_utilisation") for _, b in pairs)
             rows.append({"lr": lr, "method": m, "pairs": len(pairs), "only_m": only_m, "only_b": only_b,
                          "p_collapse": binom_two_sided(only_m, only_m + only_b),
                          "d_final": d_final, "wins": wins, "losses": losses,
                          "p_final": binom_two_sided(wins, wins + losses),
                          "steps_ratio": [a / b for a, b in both], "both_reached": len(both), "reach": reach,
-                         "util_ratio": u_m / u_b if u_b and math.isfinite(u_b) else float("nan")})
+                         "util_ratio": u_m / u_b if u_b and math.isfinite(u_b) else float("nan"),
+                         "eff_ratio": e_m / e_b if e_b and math.isfinite(e_b) else float("nan")})
     return rows
 
 
 def paired_table(rows: list[dict], baseline: str = "grpo") -> list[str]:
     lines = [f"| LR | method | paired seeds | collapsed only with method / only with {baseline} (exact p) |"
              f" Δ final greedy reward vs {baseline} | wins/losses (sign p) | reached target (method, {baseline}) |"
-             f" steps ratio when both reached | token utilisation ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f" steps ratio when both reached | token utilisation ratio | effective utilisation ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['lr']:g} | {r['method']} | {r['pairs']} | {r['only_m']} / {r['only_b']} ({r['p_collapse']:.2f}) | "
             f"{fmt_ms(r['d_final'])} | {r['wins']}/{r['losses']} ({r['p_final']:.2f}) | "
             f"{r['reach'][0]}, {r['reach'][1]} | {fmt_ms(r['steps_ratio'], 2)} (n={r['both_reached']}) | "
-            f"{r['util_ratio']:.2f}× |")
+            f"{r['util_ratio']:.2f}× | {r['eff_ratio']:.2f}× |")
     return lines
 
 
@@ -244,7 +248,8 @@ def claims_paragraph(summary: list[dict], paired: list[dict], lrs: list[float]) 
                      f"fewer): {steps}; reached by DPCC in {r['reach'][0]}/{r['pairs']}, "
                      f"by GRPO in {r['reach'][1]}/{r['pairs']} seeds.")
         lines.append(f"- **Sample utilisation at lr {r['lr']:g}** (claim: {CLAIMS['utilisation']}×): token "
-                     f"utilisation ratio DPCC/GRPO {r['util_ratio']:.2f}×.")
+                     f"utilisation ratio DPCC/GRPO {r['util_ratio']:.2f}×, effective utilisation ratio "
+                     f"{r['eff_ratio']:.2f}×.")
     return lines
 
 
@@ -320,7 +325,9 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "only judges: no sidecar runs, so no advice reaches the trainer. Target: sampled rule reward (3-iteration moving "
         f"mean) ≥ {target}. 'Final greedy reward' is the trainer's held-out greedy rule reward after RL "
         "(0.30 before RL). Token utilisation is the trainer's `sample_utilization` (share of tokens with a "
-        "nonzero advantage whose gradient is nonzero); 'samples with signal' is 1 − the zero-variance group share.",
+        "nonzero advantage whose gradient is nonzero), averaged over iterations that had any such token; "
+        "'samples with signal' is 1 − the zero-variance group share; 'effective utilisation' is their product per "
+        "iteration (the share of all sampled tokens that pushed the policy), averaged over all iterations.",
         "",
         "## Results (mean ± standard deviation over seeds)", "",
         *summary_table(summary), "",

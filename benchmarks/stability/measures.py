@@ -100,9 +100,14 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
     """Everything the analysis needs from one run."""
     base = [r.get("reward_base_mean", float("nan")) for r in records]
     tail = base[-5:]
-    util = [r.get("sample_utilization") for r in records]
+    # An iteration whose groups all have zero reward variance has no advantage tokens; the trainer
+    # then logs utilisation 0, which is "undefined", so token utilisation skips those iterations.
+    util = [r.get("sample_utilization") for r in records if r.get("zero_var_frac", 0.0) < 1.0]
     # Share of samples whose group had reward variance: samples that carry any gradient at all.
     signal = [1.0 - r["zero_var_frac"] for r in records if isinstance(r.get("zero_var_frac"), (int, float))]
+    # Share of all sampled tokens that pushed the policy: both effects together.
+    effective = [(1.0 - r["zero_var_frac"]) * (r.get("sample_utilization", 0.0) if r["zero_var_frac"] < 1 else 0.0)
+                 for r in records if isinstance(r.get("zero_var_frac"), (int, float))]
     out = {
         "iterations": len(records),
         "stop_reason": summary.get("stop_reason", ""),
@@ -115,6 +120,7 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
         "target_reward": target,
         "token_utilisation": _mean(util),
         "signal_share": _mean(signal),
+        "effective_utilisation": _mean(effective),
         "kl_max": max(_finite(r.get("kl_old_new") for r in records), default=None),
         "entropy_curve": [r.get("entropy") for r in records],
         "steps_skipped": summary.get("steps_skipped"),

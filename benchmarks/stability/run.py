@@ -83,12 +83,26 @@ def ensure_warm_start(out: Path, grid: Grid, timeout_s: float) -> Path:
     return ckpt
 
 
-def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
-    """Train one (method, lr, seed), judge it, cache and return its result."""
+def judge(result: dict, run_dir: Path, target: float, wall: float, tail: str = "") -> dict:
+    """Add the measures of the finished run in ``run_dir`` to ``result`` (or an error)."""
     from dpcc_megatron.config import load_config
 
     from .measures import run_measures
 
+    summary_path, metrics_path = run_dir / "train_summary.json", run_dir / "metrics.jsonl"
+    if not (summary_path.is_file() and metrics_path.is_file()):
+        result.update(error=f"trainer exit {result.get('exit_code')} without outputs", log_tail=tail,
+                      wall_s=round(wall, 2))
+        return result
+    summary = json.loads(summary_path.read_text())
+    records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    monitor_cfg = load_config(run_dir / "config.yaml").monitor
+    result.update(run_measures(records, summary, monitor_cfg, target, wall))
+    return result
+
+
+def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
+    """Train one (method, lr, seed), judge it, cache and return its result."""
     key = run_key(method, lr, seed)
     run_dir = out / "runs" / key
     overrides = run_overrides(grid, method, lr, seed)
@@ -96,16 +110,23 @@ def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path
     rc, wall, tail = train_once(cfg, run_dir, timeout_s)
     result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
               "exit_code": rc}
-    summary_path, metrics_path = run_dir / "train_summary.json", run_dir / "metrics.jsonl"
-    if not (summary_path.is_file() and metrics_path.is_file()):
-        result.update(error=f"trainer exit {rc} without outputs", log_tail=tail, wall_s=round(wall, 2))
-    else:
-        summary = json.loads(summary_path.read_text())
-        records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        monitor_cfg = load_config(run_dir / "config.yaml").monitor
-        result.update(run_measures(records, summary, monitor_cfg, grid.target_reward, wall))
+    judge(result, run_dir, grid.target_reward, wall, tail)
     _write_json(out / "results" / f"{key}.json", result)
     return result
+
+
+def rejudge(out: Path) -> int:
+    """Recompute the measures of every cached result from its run's outputs (no training)."""
+    n = 0
+    for path in sorted((out / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        if "error" in result:
+            continue
+        run_dir = out / "runs" / run_key(result["method"], result["lr"], result["seed"])
+        judge(result, run_dir, result.get("target_reward", GRIDS["full"].target_reward), result["wall_s"])
+        _write_json(path, result)
+        n += 1
+    return n
 
 
 def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
@@ -170,9 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one process each)")
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
+    p.add_argument("--rejudge", action="store_true",
+                   help="recompute the measures of the cached results from their runs' outputs, then exit")
     args = p.parse_args(argv)
 
     out = Path(args.out).resolve()
+    if args.rejudge:
+        print(f"[stability] re-judged {rejudge(out)} cached results", flush=True)
+        return 0
     (out / "results").mkdir(parents=True, exist_ok=True)
     grid = select_grid(args)
     todo = pending_runs(grid, out)
