@@ -74,7 +74,38 @@ def _forwards(rank, world, cases, tokens, ckpt, trained):
         save_checkpoint(trained, 3, [model], None, None, {"model": to_dict(cfg)})
     finally:
         destroy_model_parallel()
+    out["vpp"] = _vpp_mismatches(cfg, ckpt)
     return out
+
+
+def _vpp_mismatches(cfg, ckpt):
+    """Load at PP=2 x VPP=2 (two chunks per rank) and compare every parameter with a TP=1/PP=1 load."""
+    from megatron.core import parallel_state as ps
+
+    from dpcc_megatron.config import ParallelConfig
+    from dpcc_megatron.convert import load_mcore_checkpoint
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
+    from dpcc_megatron.megatron.reshard import local_named_tensors, shard_like
+
+    single = ParallelConfig()
+    init_model_parallel(single)
+    try:
+        model = build_gpt_model(cfg, single)
+        load_mcore_checkpoint([model], ckpt)
+        full = local_named_tensors([model])
+    finally:
+        destroy_model_parallel()
+    vpp = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    init_model_parallel(vpp)
+    try:
+        chunks = [build_gpt_model(cfg, vpp, vp_stage=i) for i in range(2)]
+        load_mcore_checkpoint(chunks, ckpt, cfg)
+        got, want = local_named_tensors(chunks), shard_like(chunks, full, 0, 1)
+        assert set(got) == set(want) and len(got) >= 2 * 6, sorted(got)  # two layers of six tensors
+        return [name for name in got if not torch.equal(got[name], want[name])]
+    finally:
+        destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +179,10 @@ def test_logits_match_hf(work, family, tp, pp):
     assert len(got) == 1, "exactly one rank (last stage, TP rank 0, DP rank 0) returns logits"
     assert got[0].shape == ref.shape == (2, 16, VOCAB)  # padded vocabulary columns are dropped
     torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=0)
+
+
+def test_virtual_pipeline_chunks_load_the_right_layers(work):
+    assert [r["vpp"] for r in work["ranks"]] == [[], []]
 
 
 def test_bin_checkpoint_converts_like_safetensors(work):
