@@ -67,21 +67,21 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
         return from_dict(tp, value, path)
-    if origin in (list, tuple):
+    if tp in (list, tuple) or origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path} must be a list, got {type(value).__name__}")
-        args = get_args(tp)
+        args = get_args(tp) if origin is not None else ()
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{path} must have {len(args)} items, got {len(value)}")
             return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         inner = args[0] if args else Any
         out = [_coerce(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict:
+        return tuple(out) if (origin or tp) is tuple else out
+    if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
-        kt, vt = get_args(tp) or (Any, Any)
+        kt, vt = (get_args(tp) or (Any, Any)) if origin is dict else (Any, Any)
         return {_coerce(kt, k, path): _coerce(vt, v, _join(path, str(k))) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):

@@ -85,6 +85,12 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs TP > 1)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across DP ranks (ZeRO-1)."""
+    recompute_granularity: Optional[Literal["selective", "full"]] = None
+    """Activation recomputation: `selective` (attention core) or `full` (whole layers); None keeps all."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With `full`: recompute uniformly divided layer groups, or the first N layers of each stage."""
+    recompute_num_layers: int = 1
+    """With `full`: layers per recompute group (`uniform`) or recomputed layers per stage (`block`)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto picks nccl with CUDA, gloo otherwise."""
     distributed_timeout_minutes: int = 30
@@ -100,6 +106,7 @@ class ParallelConfig:
                   f"must be >= 1, got {self.virtual_pipeline_model_parallel_size}")
         check(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
               "needs tensor_model_parallel_size > 1")
+        check(self.recompute_num_layers >= 1, "recompute_num_layers", f"must be >= 1, got {self.recompute_num_layers}")
         check(self.distributed_timeout_minutes > 0, "distributed_timeout_minutes",
               f"must be > 0, got {self.distributed_timeout_minutes}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -59,7 +60,10 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
         flat = {}
         for v in model_sd.values():
             flat.update(v)
-        state["optimizer"] = optimizer.sharded_state_dict(flat, is_loading=is_loading)
+        # dp_reshardable: the distributed optimizer's format that current megatron-core saves
+        # (the older flattened-range default is refused by its torch_dist strategy).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
@@ -110,7 +114,14 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(tmp))
+    # Signals are held while saving: SIGUSR1/SIGTERM is what triggers this save under Slurm, and a
+    # second one must not kill dist_checkpointing's helper process mid-write (it is re-delivered after).
+    held = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(tmp))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
     _barrier()
@@ -152,6 +163,28 @@ def check_compatible(saved: dict, current: dict) -> None:
         raise CheckpointError("checkpoint is incompatible with this run:\n  " + "\n  ".join(diffs))
 
 
+def _materialise_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no Adam state to load into (without apex/TE its
+    ``state_dict`` even asserts on it): create placeholder state; the load overwrites it."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        inner = getattr(opt, "optimizer", None)
+        if init is not None and inner is not None and not any(len(v) for v in inner.state.values()):
+            with torch.no_grad():
+                init()
+
+
+def _unshare_step_counters(optimizer) -> None:
+    """Without apex/TE the distributed optimizer restores Adam's ``step`` as ONE tensor shared by
+    every parameter, so each later step would add the parameter count to it (bias correction
+    drifts). Give every parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dict) -> dict:
     """Collective. Loads weights, optimizer, scheduler and RNG; returns the trainer state."""
     from megatron.core import dist_checkpointing
@@ -162,13 +195,17 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dic
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}/trainer_state.json is unreadable: {e}") from None
     check_compatible(state, current)
+    if optimizer is not None:
+        _materialise_optimizer_state(optimizer)
     sharded = _sharded_state(chunks, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path))
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
         getattr(chunk, "module", chunk).load_state_dict(loaded[key])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_step_counters(optimizer)
     if scheduler is not None and state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank{_rank()}.pt"
