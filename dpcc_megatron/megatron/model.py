@@ -110,7 +110,15 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
     if rope:
         if rope.get("rope_type", rope.get("type")) != "llama3":
             raise ValueError(f"model.rope_scaling: only llama3 scaling is supported, got {rope}")
+        # Megatron hard-codes the Llama 3.1 frequency bands; other values would be silently ignored.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in fixed.items():
+            if key in rope and float(rope[key]) != value:
+                raise ValueError(f"model.rope_scaling.{key}={rope[key]} is not supported: Megatron-Core's llama3 "
+                                 f"scaling uses {value}")
         kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
+    if float(model.rotary_base) != int(model.rotary_base):
+        raise ValueError(f"model.rotary_base must be a whole number for Megatron-Core, got {model.rotary_base}")
     gpt = GPTModel(
         config=transformer_config(model, parallel, precision),
         transformer_layer_spec=layer_spec(model, precision),

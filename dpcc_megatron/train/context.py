@@ -277,7 +277,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
     if cfg.checkpoint.load:
         from ..convert import load_mcore_checkpoint
 
-        load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load)  # noqa: E731
+        load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)  # noqa: E731
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
 
     rank = dist.get_rank()
