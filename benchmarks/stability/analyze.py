@@ -96,21 +96,29 @@ def summary_rows(results: list[dict], methods: list[str], lrs: list[float]) -> l
                 "final": [r["reward_after"] for r in rs], "last5": [r["reward_base_last5"] for r in rs],
                 "util": [r["token_utilisation"] for r in rs], "signal": [r["signal_share"] for r in rs],
                 "effective": [r.get("effective_utilisation") for r in rs],
+                "degraded": sum(_degraded(r) for r in rs),
                 "wall": [r["wall_s"] for r in rs],
             })
     return rows
 
 
+def _degraded(r: dict) -> bool:
+    """The held-out greedy reward after RL is below the warm-started policy's."""
+    before, after = r.get("reward_before"), r.get("reward_after")
+    return before is not None and after is not None and after < before
+
+
 def summary_table(rows: list[dict]) -> list[str]:
-    lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | reached target | iters to target |"
+    lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | ended below start | reached target |"
+             " iters to target |"
              " final greedy reward | sampled reward, last 5 it. | token utilisation | samples with signal |"
              " effective utilisation | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci"]
         lines.append(
             f"| {r['lr']:g} | {r['method']} | {r['n']} | {r['collapses']}/{r['n']} = {r['collapses'] / r['n']:.0%} "
-            f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
+            f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['degraded']}/{r['n']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
             f"{fmt_ms(r['final'])} | {fmt_ms(r['last5'])} | {fmt_ms(r['util'])} | {fmt_ms(r['signal'], 2)} | "
             f"{fmt_ms(r['effective'], 2)} | {fmt_ms(r['wall'], 0)} |")
     return lines
@@ -324,7 +332,8 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         f"(no reward variance for 5 iterations) while the sampled rule reward was below {SOLVED}. The detector "
         "only judges: no sidecar runs, so no advice reaches the trainer. Target: sampled rule reward (3-iteration moving "
         f"mean) ≥ {target}. 'Final greedy reward' is the trainer's held-out greedy rule reward after RL "
-        "(0.30 before RL). Token utilisation is the trainer's `sample_utilization` (share of tokens with a "
+        "(the warm-started policy's value depends on the seed's held-out prompts); 'ended below start' counts runs "
+        "whose final greedy reward is below that starting value, collapsed or not. Token utilisation is the trainer's `sample_utilization` (share of tokens with a "
         "nonzero advantage whose gradient is nonzero), averaged over iterations that had any such token; "
         "'samples with signal' is 1 − the zero-variance group share; 'effective utilisation' is their product per "
         "iteration (the share of all sampled tokens that pushed the policy), averaged over all iterations.",
