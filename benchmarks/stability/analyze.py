@@ -223,7 +223,7 @@ def plot(results: list[dict], methods: list[str], lrs: list[float], rows: list[d
         axes[1][j].set_xlabel("iteration")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "curves.png", dpi=110)
+    fig.savefig(out_dir / "curves.png", dpi=80)
     plt.close(fig)
     names.append("curves.png")
     return names
@@ -283,7 +283,18 @@ def _commands(manifest: dict) -> list[str]:
     return cmds or ["python -m benchmarks.stability.run"]
 
 
-def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None) -> Path:
+def _rounded(obj):
+    if isinstance(obj, float):
+        return round(obj, 4)
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items() if k != "log_tail"}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
+def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
+                 export: bool = False) -> Path:
     from .grid import GRIDS, METHODS
     from .measures import BAND, SOLVED
 
@@ -346,6 +357,12 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "## Against the published claims", "",
         *claims_paragraph(summary, paired, lrs), "",
     ]
+    if export:
+        path = md_path.parent / "results.jsonl"
+        with open(path, "w") as f:
+            for r in sorted(results + failed, key=lambda r: (r["lr"], r["method"], r["seed"])):
+                f.write(json.dumps(_rounded(r), sort_keys=True) + "\n")
+        lines += [f"Every run's measures and curves: [`{path.name}`]({path.name}).", ""]
     if notes is not None and notes.is_file():
         lines += ["## Interpretation", "", notes.read_text().strip(), ""]
     md_path.write_text("\n".join(lines))
@@ -359,9 +376,10 @@ def main(argv=None) -> int:
     p.add_argument("--notes", default=None, help="markdown file appended as the interpretation section")
     p.add_argument("--target", type=float, default=None,
                    help="target sampled rule reward for 'iterations to target' (default: the grid's)")
+    p.add_argument("--export", action="store_true", help="also write results.jsonl (every run) next to the report")
     args = p.parse_args(argv)
     path = write_report(Path(args.out).resolve(), Path(args.results_md), Path(args.notes) if args.notes else None,
-                        args.target)
+                        args.target, args.export)
     print(f"[stability] wrote {path}")
     return 0
 
