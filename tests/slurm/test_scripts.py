@@ -32,8 +32,11 @@ def test_standalone_sidecar_script_serves_until_terminated(tmp_path):
         assert ready["address"].startswith("127.0.0.1:") and "token" not in ready  # the token came from the env
         with urllib.request.urlopen(f"http://{ready['address']}/healthz", timeout=5) as r:
             assert r.status == 200
-        out = (tmp_path / "sidecar.out").read_text()
-        assert f"--set monitor.address={ready['address']}" in out and "(as exported here)" in out
+        # The script prints the trainer settings right after the ready file appears: wait for them.
+        want = f"--set monitor.address={ready['address']}"
+        while not (want in (out := (tmp_path / "sidecar.out").read_text()) and "(as exported here)" in out):
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert db.is_file()

@@ -36,9 +36,11 @@ def test_results_come_back_from_every_rank():
 def test_failing_rank_fails_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(RankFailure, match="deliberate failure on rank one") as info:
-        run_multirank(_rank1_raises, 2, timeout=60)
+        run_multirank(_rank1_raises, 2, timeout=600)
     assert "rank 1 raised" in str(info.value)
-    assert time.monotonic() - start < 45
+    # Rank 0 would sit in its barrier until the 600 s deadline; the launcher stops it ~10 s
+    # after rank 1 fails (the margin covers slow process start-up on a loaded machine).
+    assert time.monotonic() - start < 240
 
 
 def test_hung_rank_is_killed_at_the_deadline():
