@@ -65,7 +65,8 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
     kl = metrics.get(f"kl_{cfg.loss.dpcc.kl_estimator}", metrics.get("kl_k3", 0.0))
     controller.observe(kl)
-    factor = controller.lr_factor * monitor_lr_scale
+    # Drift-aware LR is part of DPCC; baselines train at the plain schedule (plus monitor advice).
+    factor = (controller.lr_factor if cfg.loss.name == "dpcc" else 1.0) * monitor_lr_scale
     if metrics.get("nonfinite_logits", 0.0) > 0:
         zero_grads(chunks, optimizer)
         return StepResult(metrics, True, float("nan"), 0.0, factor)
