@@ -23,7 +23,8 @@ from dpcc_megatron.config.algo import DPCCConfig, LossConfig
 from .schedule import adaptive_threshold, drift_lr_factor, early_phase_cap
 
 _STATE_VERSION = 1
-_COUNTERS = ("observations", "nonfinite_kl", "drift_triggers", "lr_reduced_steps", "tau_floor_steps")
+_COUNTERS = ("observations", "nonfinite_kl", "fresh_kl_skipped", "drift_triggers", "lr_reduced_steps",
+             "tau_floor_steps")
 
 
 class DPCCController:
@@ -77,17 +78,23 @@ class DPCCController:
         return dataclasses.replace(base, dpcc=dataclasses.replace(base.dpcc, tau=self.tau))
 
     # -- update ---------------------------------------------------------------------
-    def observe(self, kl: float) -> None:
+    def observe(self, kl: float, fresh: bool = False) -> None:
         """Record KL(pi_old || pi_new) of the step just taken and advance to the next step.
 
         A non-finite ``kl`` is counted and otherwise ignored: the step advances and the
-        KL average, drift score and LR factor keep their previous values.
+        KL average, drift score and LR factor keep their previous values. So is a ``fresh``
+        one (measured right after pi_old was recomputed) when ``skip_fresh_kl`` is on.
         """
         c = self.config
         kl = float(kl)
         self.step += 1
         if not math.isfinite(kl):
             self.counters["nonfinite_kl"] += 1
+            return
+        if fresh and c.skip_fresh_kl:
+            self.counters["fresh_kl_skipped"] += 1
+            if self.lr_factor < 1.0:
+                self.counters["lr_reduced_steps"] += 1
             return
         self.counters["observations"] += 1
         self.last_kl = kl

@@ -58,6 +58,10 @@ class DPCCConfig:
     """d: `kl` is the KL measured after the step just taken (reacts at once); `kl_ema` is the smoothed D (steadier)."""
     drift_hysteresis_steps: int = 0
     """After a trigger, keep the reduced factor for this many further steps unless a new trigger replaces it."""
+    skip_fresh_kl: bool = False
+    """Ignore the KL of each iteration's first mini-batch: pi_old was just recomputed from the current
+    weights, so it is ~0 by construction. Off (as specified), it resets the drift score and the LR factor
+    to 1 right before the iteration's first, unclippable step; on, they carry over from the last iteration."""
 
     def validate(self) -> None:
         check(self.tau0 > 1, "tau0", f"must be > 1, got {self.tau0}")

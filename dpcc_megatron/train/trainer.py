@@ -107,7 +107,7 @@ def train(cfg: JobConfig) -> dict:
                 res = policy_update(ctx.chunks, ctx.optimizer, ctx.scheduler, controller,
                                     batch.select(order[start:start + mini]), cfg, dp_size=ctx.dp,
                                     dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size,
-                                    monitor_lr_scale=monitor_lr_scale)
+                                    monitor_lr_scale=monitor_lr_scale, fresh=steps == 0)
                 steps += 1
                 step_metrics.append(res)
                 ctx.counters["steps_skipped" if res.skipped else "steps_taken"] += 1

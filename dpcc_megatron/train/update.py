@@ -55,7 +55,9 @@ def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, 
 
 
 def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batch: RLBatch, cfg: JobConfig,
-                  *, dp_size: int, dp_group, pp_group, vocab_size: int, monitor_lr_scale: float = 1.0) -> StepResult:
+                  *, dp_size: int, dp_group, pp_group, vocab_size: int, monitor_lr_scale: float = 1.0,
+                  fresh: bool = False) -> StepResult:
+    """One optimizer step; ``fresh``: the iteration's first mini-batch (pi_old == current weights)."""
     zero_grads(chunks, optimizer)
     normalizer = global_normalizer(batch, dp_group)
     loss_cfg = controller.loss_config(cfg.loss)
@@ -64,7 +66,7 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
                            forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
     kl = metrics.get(f"kl_{cfg.loss.dpcc.kl_estimator}", metrics.get("kl_k3", 0.0))
-    controller.observe(kl)
+    controller.observe(kl, fresh=fresh)
     # Drift-aware LR is part of DPCC; baselines train at the plain schedule (plus monitor advice).
     factor = (controller.lr_factor if cfg.loss.name == "dpcc" else 1.0) * monitor_lr_scale
     if metrics.get("nonfinite_logits", 0.0) > 0:

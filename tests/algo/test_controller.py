@@ -178,3 +178,31 @@ def test_load_state_dict_refuses_foreign_state():
     del state["hold"]
     with pytest.raises(ValueError, match="hold"):
         ctl.load_state_dict(state)
+
+
+def test_skip_fresh_kl_carries_the_factor_over_the_iteration_boundary():
+    # Iteration of 2 mini-batches: the first one's KL is ~0 because pi_old was just recomputed.
+    kls = [(0.0, True), (0.55, False), (0.0, True), (0.30, False)]
+    as_specified = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0))
+    carried = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0, skip_fresh_kl=True))
+    seen = {"spec": [], "carried": []}
+    for kl, fresh in kls:
+        seen["spec"].append(as_specified.lr_factor)
+        seen["carried"].append(carried.lr_factor)
+        as_specified.observe(kl, fresh=fresh)
+        carried.observe(kl, fresh=fresh)
+    f = 0.5 / 1.5
+    # Factor used by each step: as specified the second iteration's first step is back at 1.
+    assert seen["spec"] == pytest.approx([1.0, 1.0, f, 1.0])
+    assert seen["carried"] == pytest.approx([1.0, 1.0, f, f])
+    assert carried.step == 4 and carried.counters["fresh_kl_skipped"] == 2
+    assert carried.counters["observations"] == 2
+    assert carried.kl_ema == pytest.approx(0.5 * 0.55 + 0.5 * 0.30)  # decay 0.5; the zeros never entered it
+    assert as_specified.counters["fresh_kl_skipped"] == 0
+
+
+def test_fresh_kl_counts_as_observation_when_not_skipped():
+    ctl = DPCCController(_cfg(early_phase_fraction=0.0, early_relax_fraction=0.0))
+    ctl.observe(0.55)
+    ctl.observe(0.0, fresh=True)
+    assert ctl.lr_factor == 1.0 and ctl.kl_ema == pytest.approx(0.5 * 0.55)

@@ -51,7 +51,8 @@ def _run_rank(rank, world, out, overrides, patch_nonfinite=False):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
-    over = {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp}
+    over = {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp,
+            "loss.dpcc.skip_fresh_kl": True}
     results = run_multirank(_run_rank, tp * pp, args=(str(tmp_path), over), timeout=420)
     for summary, moved in results:
         assert summary["stop_reason"] == "completed"
@@ -64,6 +65,8 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
                 "sample_utilization", "mismatch_kl", "repetition_rate", "tokens_per_s"):
         assert key in records[-1], key
     assert records[-1]["mismatch_kl"] < 1e-5  # sampler and trainer run the same weights in fp32
+    # each iteration's first mini-batch (pi_old just recomputed) is the one whose KL is skipped
+    assert (records[-1]["dpcc/fresh_kl_skipped"], records[-1]["dpcc/observations"]) == (2, 2)
 
 
 def test_resume_is_exact(tmp_path):
