@@ -205,6 +205,9 @@ class RewardConfig:
     """At most this many older samples per prompt."""
     buffer_weight: float = 0.5
     """Weight of one comparison against an older sample relative to one against a group member."""
+    contrastive_gate: Literal["none", "base_spread"] = "none"
+    """`base_spread`: in groups whose rule scores are all equal, replace the advanced track by its group
+    mean, so the judge's non-correctness differences there do not become group-normalised advantages."""
 
     def validate(self) -> None:
         check(0 <= self.base_weight <= 1, "base_weight", f"must be in [0, 1], got {self.base_weight}")

@@ -44,6 +44,28 @@ def normalize_track(x: torch.Tensor, group_index: torch.Tensor, mode: str, eps: 
     raise ValueError(f"unknown normalisation {mode!r}")
 
 
+def gate_by_base_spread(advanced: torch.Tensor, base: torch.Tensor, group_index: torch.Tensor,
+                        tol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten the advanced track to its group mean where the base track has no spread.
+
+    advanced, base: [n]; group_index: int64 [n] of contiguous group ids. Returns the gated
+    advanced track (float64 [n]) and a bool [num_groups] mask of the gated groups. Where every
+    rule score in a group is equal, the judge's remaining differences are not about correctness,
+    and group-std advantages would blow them up to unit size; flattening keeps the group's mean
+    (so batch-level comparisons are unchanged) and removes only that within-group spread.
+    """
+    from .reliability import group_variances
+
+    adv = advanced.to(torch.float64)
+    if group_index.numel() == 0:
+        return adv, torch.zeros(0, dtype=torch.bool)
+    n = int(group_index.max()) + 1
+    count = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(adv))
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, adv) / count
+    gated = group_variances(base, group_index) <= tol
+    return torch.where(gated[group_index], mean[group_index], adv), gated
+
+
 class DynamicWeights:
     """The base/advanced weights and the reliability estimates behind them (resumable state)."""
 

@@ -22,7 +22,7 @@ import torch
 
 from ..config.reward import RewardConfig
 from .base_layer import BaseLayer
-from .combine import DynamicWeights, normalize_track
+from .combine import DynamicWeights, gate_by_base_spread, normalize_track
 from .contrastive import OlderPolicyBuffer, advanced_scores, group_index
 from .judges import Judge, build_judge
 from .jsonl import read_eval_set
@@ -84,16 +84,21 @@ class DualTrackReward:
 
     # -- scoring ---------------------------------------------------------------------------------------
     def _advanced(self, samples: Sequence[Sample], base: Sequence[float], messages: list[str],
-                  use_buffer: bool = True) -> tuple[torch.Tensor, int]:
-        """Advanced track; a failing judge scores the batch 0 (counted) instead of raising."""
+                  use_buffer: bool = True) -> tuple[torch.Tensor, int, Optional[float]]:
+        """Advanced track, judge errors (0/1) and the share of groups the contrastive gate flattened.
+
+        A failing judge scores the batch 0 (counted) instead of raising."""
         try:
             adv = advanced_scores(samples, base, self.judge, self.buffer if use_buffer else None,
                                   self.cfg.buffer_weight, self.cfg.judge.temperature)
-            return adv, 0
         except Exception as e:
             if len(messages) < 20:
                 messages.append(f"judge failed: {type(e).__name__}: {e}"[:500])
-            return torch.zeros(len(samples), dtype=torch.float64), 1
+            return torch.zeros(len(samples), dtype=torch.float64), 1, None
+        if self.cfg.contrastive_gate == "none" or not samples:
+            return adv, 0, None
+        adv, gated = gate_by_base_spread(adv, torch.tensor(base, dtype=torch.float64), group_index(samples)[0])
+        return adv, 0, float(gated.double().mean())
 
     def _combine(self, base: torch.Tensor, adv: torch.Tensor, gidx: torch.Tensor,
                  weights: dict[str, float]) -> torch.Tensor:
@@ -108,7 +113,7 @@ class DualTrackReward:
         bs = self.base_layer.score(samples)
         base = torch.tensor(bs.base, dtype=torch.float64)
         messages = list(bs.messages)
-        adv, judge_errors = self._advanced(samples, bs.base, messages)
+        adv, judge_errors, gated_frac = self._advanced(samples, bs.base, messages)
         gidx, _ = group_index(samples)
 
         agreement = within_group_pearson(base, adv, gidx) if len(samples) > 1 else None
@@ -150,6 +155,8 @@ class DualTrackReward:
             "reward/no_checker": float(bs.no_checker),
             "reward/buffer_size": float(len(self.buffer)),
         }
+        if gated_frac is not None:
+            metrics["reward/contrastive_gated_group_frac"] = gated_frac
         if agreement is not None:
             metrics["reward/inter_track_agreement"] = agreement
         for track in ("base", "advanced"):
@@ -187,7 +194,7 @@ class DualTrackReward:
             base2 = torch.tensor(self.base_layer.score([samples[i] for i in probe]).base, dtype=torch.float64)
             groups = {int(gidx[i]) for i in probe}
             members = [i for i in range(len(samples)) if int(gidx[i]) in groups]
-            adv_sub, _ = self._advanced([samples[i] for i in members], [float(base[i]) for i in members], [])
+            adv_sub, _, _ = self._advanced([samples[i] for i in members], [float(base[i]) for i in members], [])
             adv2 = adv_sub[[members.index(i) for i in probe]]
         else:
             base2 = adv2 = torch.zeros(0, dtype=torch.float64)
@@ -202,7 +209,7 @@ class DualTrackReward:
         samples, labels = self.eval_set
         bs = self.base_layer.score(samples)
         base = torch.tensor(bs.base, dtype=torch.float64)
-        adv, _ = self._advanced(samples, bs.base, [], use_buffer=False)
+        adv, _, _ = self._advanced(samples, bs.base, [], use_buffer=False)
         gidx, _ = group_index(samples)
         lab = torch.tensor(labels, dtype=torch.float64)
         total = self._combine(base, adv, gidx, self.dynamic.weights)

@@ -260,3 +260,45 @@ def test_empty_batch(normalize):
     with DualTrackReward(cfg) as reward:
         res = reward.score([])
     assert res.total.shape == (0,) and res.metrics["reward/zero_var_group_frac"] == 0.0
+
+
+class LengthJudge:
+    """Prefers short responses whatever their correctness (a judge with a non-correctness preference)."""
+
+    def utilities(self, samples, base):
+        return torch.tensor([-float(len(s.response)) for s in samples], dtype=torch.float64)
+
+
+def test_contrastive_gate_flattens_groups_without_rule_spread():
+    from dpcc_megatron.rewards.combine import gate_by_base_spread
+
+    # group 0: all correct (no rule spread) with different lengths the judge tells apart;
+    # group 1: mixed correctness.
+    samples = [Sample(prompt="1+1=", response=r, task="addition", answer="2", group_id=0)
+               for r in ("2", " 2", "2 ", "  2  ")]
+    samples += [Sample(prompt="2+2=", response=r, task="addition", answer="4", group_id=1)
+                for r in ("4", "5", "4", "6")]
+    with DualTrackReward(RewardConfig(buffer_size=0), judge=LengthJudge()) as plain:
+        ungated = plain.score(samples)
+    with DualTrackReward(RewardConfig(buffer_size=0, contrastive_gate="base_spread"), judge=LengthJudge()) as gated_reward:
+        gated = gated_reward.score(samples)
+    assert ungated.advanced[:4].unique().numel() > 1          # the judge does separate them
+    assert gated.advanced[:4].unique().numel() == 1           # flattened to one value ...
+    assert float(gated.advanced[:4].mean()) == pytest.approx(float(ungated.advanced[:4].mean()), abs=1e-6)
+    assert torch.equal(gated.advanced[4:], ungated.advanced[4:])  # ... the mixed group is untouched
+    assert gated.total[:4].unique().numel() == 1              # so group 0 gives zero advantages
+    assert gated.metrics["reward/contrastive_gated_group_frac"] == 0.5
+    assert "reward/contrastive_gated_group_frac" not in ungated.metrics
+
+    adv, mask = gate_by_base_spread(torch.tensor([0.1, 0.3, 0.9, 0.2]), torch.tensor([1.0, 1.0, 0.0, 1.0]),
+                                    torch.tensor([0, 0, 1, 1]))
+    assert mask.tolist() == [True, False]
+    assert adv.tolist() == pytest.approx([0.2, 0.2, 0.9, 0.2])
+
+
+def test_contrastive_gate_is_validated():
+    from dpcc_megatron.config import ConfigError
+    from dpcc_megatron.config.base import from_dict
+
+    with pytest.raises(ConfigError, match="contrastive_gate"):
+        from_dict(RewardConfig, {"contrastive_gate": "sometimes"})
