@@ -61,6 +61,14 @@ METHODS: dict[str, dict] = {
                       "loss.dpcc.drift_score": "kl_ema"},
     # Control for the variant: the same LR warm-up on plain GRPO.
     "grpo-warmup": {"loss.name": "grpo", "optim.lr_warmup_iters": EARLY_PHASE_STEPS, **_BASELINE},
+    # Second round, from the first round's findings: the contrastive track's judge differences in
+    # groups whose rule scores are all equal become unit-size advantages (gate them), and the
+    # drift score read on an iteration's first mini-batch is ~0 by construction (skip it, so the
+    # LR factor carries over to the next iteration's first, unclippable step).
+    "dpcc-gated": {"loss.name": "dpcc", "reward.contrastive_gate": "base_spread"},
+    "dpcc-stepsize-gated": {"loss.name": "dpcc", "optim.lr_warmup_iters": EARLY_PHASE_STEPS,
+                            "loss.dpcc.drift_score": "kl_ema", "loss.dpcc.skip_fresh_kl": True,
+                            "reward.contrastive_gate": "base_spread"},
 }
 
 
