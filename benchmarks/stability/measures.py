@@ -100,13 +100,14 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
     """Everything the analysis needs from one run."""
     base = [r.get("reward_base_mean", float("nan")) for r in records]
     tail = base[-5:]
-    # An iteration whose groups all have zero reward variance has no advantage tokens; the trainer
-    # then logs utilisation 0, which is "undefined", so token utilisation skips those iterations.
-    util = [r.get("sample_utilization") for r in records if r.get("zero_var_frac", 0.0) < 1.0]
+    # An iteration whose groups all have zero reward variance has no advantage tokens: utilisation is
+    # undefined there (logged as null; trainers before that change logged 0), so it is skipped.
+    util = [r.get("sample_utilization") for r in records
+            if r.get("zero_var_frac", 0.0) < 1.0 and r.get("sample_utilization") is not None]
     # Share of samples whose group had reward variance: samples that carry any gradient at all.
     signal = [1.0 - r["zero_var_frac"] for r in records if isinstance(r.get("zero_var_frac"), (int, float))]
     # Share of all sampled tokens that pushed the policy: both effects together.
-    effective = [(1.0 - r["zero_var_frac"]) * (r.get("sample_utilization", 0.0) if r["zero_var_frac"] < 1 else 0.0)
+    effective = [(1.0 - r["zero_var_frac"]) * ((r.get("sample_utilization") or 0.0) if r["zero_var_frac"] < 1 else 0.0)
                  for r in records if isinstance(r.get("zero_var_frac"), (int, float))]
     out = {
         "iterations": len(records),

@@ -18,6 +18,16 @@ def _f(x):
     return v if math.isfinite(v) else None
 
 
+def sample_utilization(merged: dict) -> float | None:
+    """Share of advantage-carrying tokens whose gradient was nonzero, over the iteration's steps.
+
+    None when no token carried an advantage (every group had equal rewards): there was nothing
+    to use, and a 0 would read as "every token was dropped"."""
+    if merged.get("num_adv_tokens", 0.0) <= 0:
+        return None
+    return _f(merged.get("utilisation", float("nan")))
+
+
 def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
     """Entropy, perplexity and sampler/trainer mismatch (KL(sampler||trainer), importance-weight
     statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift."""
@@ -56,7 +66,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "kl_estimator": est,
         "clip_frac": _f(merged.get("clip_frac_low", 0.0) + merged.get("clip_frac_high", 0.0)),
         "ratio_max": _f(merged.get("ratio_max", float("nan"))),
-        "sample_utilization": _f(merged.get("utilisation", float("nan"))),
+        "sample_utilization": sample_utilization(merged),
         "pg_loss": _f(merged["pg_loss"] / max(len(steps), 1)) if "pg_loss" in merged else None,
         "tau": _f(merged.get("tau", controller.tau)),
         "lr": _f(taken[-1].lr) if taken else 0.0,
