@@ -86,6 +86,13 @@ class MonitorConfig:
     """...within this many steps."""
     low_entropy_patience: int = 3
     """Consecutive steps below the band before low_entropy fires on entropy alone."""
+    entropy_floor_ratio: float = 0.4
+    """Until the band is calibrated, entropy below this fraction of the mean healthy entropy so far counts
+    as below the band (so a collapse in the first K steps is seen); 0 disables."""
+    low_entropy_reward_drop: Optional[float] = 0.1
+    """Entropy below the band is critical (a template collapse, confirmable) when the learning signal is
+    gone too (reward_collapse's condition) and reward_mean is at least this far below its best healthy
+    value; a mastered task (reward at its best) stays a warning. None: entropy alone is always a warning."""
     repetition_threshold: float = 0.5
     """low_entropy fires when repetition_rate (repeated 3/4-gram share) is at or above this."""
     longest_repeat_threshold: int = 0
@@ -166,6 +173,10 @@ class MonitorConfig:
         check(self.entropy_jump > 0, "entropy_jump", f"must be > 0, got {self.entropy_jump}")
         check(self.entropy_jump_window >= 2, "entropy_jump_window", f"must be >= 2, got {self.entropy_jump_window}")
         check(self.low_entropy_patience >= 1, "low_entropy_patience", f"must be >= 1, got {self.low_entropy_patience}")
+        check(0 <= self.entropy_floor_ratio < 1, "entropy_floor_ratio",
+              f"must be in [0, 1), got {self.entropy_floor_ratio}")
+        check(self.low_entropy_reward_drop is None or self.low_entropy_reward_drop >= 0, "low_entropy_reward_drop",
+              f"must be >= 0 or null, got {self.low_entropy_reward_drop}")
         check(0 < self.repetition_threshold <= 1, "repetition_threshold",
               f"must be in (0, 1], got {self.repetition_threshold}")
         check(self.longest_repeat_threshold >= 0, "longest_repeat_threshold",

@@ -5,8 +5,10 @@ Rules (names are stable; see docs/monitor.md for defaults):
 - ``high_entropy``  entropy above the normal band (critical) or rising by more than
   ``entropy_jump`` x band centre within ``entropy_jump_window`` steps (warning).
 - ``low_entropy``   ``repetition_rate >= repetition_threshold`` or ``longest_repeat >=
-  longest_repeat_threshold`` (critical), and/or entropy below the band for
-  ``low_entropy_patience`` consecutive steps (warning).
+  longest_repeat_threshold`` (critical), and/or entropy below the band (before calibration:
+  below ``entropy_floor_ratio`` x the healthy mean so far) for ``low_entropy_patience``
+  consecutive steps: a warning, critical when the reward signal is gone too and reward_mean
+  fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
   (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named.
 - ``non_finite``    any numeric field NaN/Inf (critical).
@@ -69,6 +71,7 @@ class CollapseDetector:
         self.attempt = 0
         self.last_iteration: Optional[int] = None
         self.last_healthy_iteration: Optional[int] = None
+        self.best_healthy_reward: Optional[float] = None
         self.kl_estimator: Optional[str] = None
         self.records_seen = 0
         self.ignored_out_of_order = 0
@@ -96,6 +99,7 @@ class CollapseDetector:
             "attempt": self.attempt,
             "last_iteration": self.last_iteration,
             "last_healthy_iteration": self.last_healthy_iteration,
+            "best_healthy_reward": self.best_healthy_reward,
             "kl_estimator": self.kl_estimator,
             "records_seen": self.records_seen,
             "ignored_out_of_order": self.ignored_out_of_order,
@@ -120,6 +124,7 @@ class CollapseDetector:
         self.attempt = int(state.get("attempt", 0))
         self.last_iteration = state.get("last_iteration")
         self.last_healthy_iteration = state.get("last_healthy_iteration")
+        self.best_healthy_reward = state.get("best_healthy_reward")
         self.kl_estimator = state.get("kl_estimator")
         self.records_seen = int(state.get("records_seen", 0))
         self.ignored_out_of_order = int(state.get("ignored_out_of_order", 0))
@@ -174,8 +179,13 @@ class CollapseDetector:
                 hits[rule] = hit
 
         alerts = self._fire(hits, it)
-        if not hits:
+        # A step below the entropy floor whose patience has not run out yet is not healthy either:
+        # it must not calibrate the band, raise the best reward, or become the rollback target.
+        if not hits and self._counters["below_band"] == 0:
             self.last_healthy_iteration = it
+            r = record.get("reward_mean")
+            if is_finite(r) and (self.best_healthy_reward is None or r > self.best_healthy_reward):
+                self.best_healthy_reward = float(r)
             e = vals["entropy"]
             if self.band_source is None and is_finite(e):
                 self._calib.append(float(e))
@@ -279,19 +289,43 @@ class CollapseDetector:
         if c.longest_repeat_threshold > 0 and is_finite(lr) and lr >= c.longest_repeat_threshold:
             severity, metric = "critical", metric or "longest_repeat"
             reasons.append(f"longest_repeat {lr:g} >= {c.longest_repeat_threshold}")
-        e = rec.get("entropy")
-        if self.band is not None and is_finite(e):
-            self._counters["below_band"] = self._counters["below_band"] + 1 if e < self.band[0] else 0
+        e, floor = rec.get("entropy"), self._entropy_floor()
+        if floor is not None and is_finite(e):
+            self._counters["below_band"] = self._counters["below_band"] + 1 if e < floor else 0
             if self._counters["below_band"] >= c.low_entropy_patience:
-                severity = severity or "warning"
+                template = self._template_collapse(rec)
+                severity = "critical" if template else (severity or "warning")
                 metric = metric or "entropy"
-                reasons.append(f"entropy {e:.4g} below the band [{self.band[0]:.4g}, {self.band[1]:.4g}] for "
-                               f"{self._counters['below_band']} steps")
-                details["band"] = list(self.band)
+                where = (f"the band [{self.band[0]:.4g}, {self.band[1]:.4g}]" if self.band is not None else
+                         f"{c.entropy_floor_ratio:g} x the healthy mean so far ({floor:.4g}, band not calibrated)")
+                reasons.append(f"entropy {e:.4g} below {where} for {self._counters['below_band']} steps")
+                if template:
+                    reasons.append(template)
+                details.update(band=list(self.band) if self.band is not None else None, entropy_floor=floor)
         if severity is None:
             return None
         n = max(c.low_entropy_patience, 1) if metric == "entropy" else max(c.collapse_confirm_steps, 1)
         return _Hit(severity, "; ".join(reasons), metric, self._window(metric, n), details)
+
+    def _entropy_floor(self) -> Optional[float]:
+        """Lower edge of normal entropy: the band's, or before calibration a fraction of the healthy mean."""
+        if self.band is not None:
+            return self.band[0]
+        if self.cfg.entropy_floor_ratio > 0 and self._calib:
+            return self.cfg.entropy_floor_ratio * statistics.fmean(self._calib)
+        return None
+
+    def _template_collapse(self, rec: Mapping) -> str:
+        """Why low entropy is a collapse rather than a mastered task ("" when it is not)."""
+        c = self.cfg
+        drop, best, mean = c.low_entropy_reward_drop, self.best_healthy_reward, rec.get("reward_mean")
+        if drop is None or best is None or not is_finite(mean) or mean > best - drop:
+            return ""
+        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
+        if not ((is_finite(std) and std < c.reward_std_min) or (is_finite(zv) and zv >= c.zero_var_frac_max)):
+            return ""
+        return (f"with no reward signal (reward_std={std!r}, zero_var_frac={zv!r}) and reward_mean {mean:.4g} "
+                f"below its best healthy {best:.4g} by >= {drop:g}: a template collapse")
 
     def _consecutive(self, rec: Mapping, key: str, threshold: Optional[float]) -> bool:
         if threshold is None:

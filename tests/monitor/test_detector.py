@@ -74,6 +74,41 @@ def test_low_entropy_below_band_needs_patience_and_is_a_warning():
     assert alerts[0].severity == "warning" and len(alerts[0].window) == 3
 
 
+def _template_stream(collapsed_reward):
+    """3 healthy steps (entropy 2.0, reward 0.5, signal), then 6 near-deterministic steps without signal."""
+    healthy = [{"iteration": i, "entropy": 2.0, "reward_mean": 0.5, "reward_std": 0.3, "zero_var_frac": 0.2}
+               for i in range(3)]
+    stuck = [{"iteration": 3 + i, "entropy": 0.3, "reward_mean": collapsed_reward, "reward_std": 0.0,
+              "zero_var_frac": 1.0} for i in range(6)]
+    return healthy + stuck
+
+
+def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
+    cfg = MonitorConfig(reward_collapse_patience=50)  # only low_entropy speaks; band needs 20 steps
+    alerts = [a for a in run_detector(_template_stream(0.1), cfg) if a.rule == "low_entropy"]
+    # below 0.4 x 2.0 from iteration 3; patience 3 -> fires at 5, critical (reward 0.1 < 0.5 - 0.1)
+    assert [(a.iteration, a.severity, a.confirmed) for a in alerts] == [(5, "critical", False),
+                                                                         (7, "critical", True)]
+    assert "template collapse" in alerts[0].message and alerts[0].details["entropy_floor"] == 0.8
+    assert alerts[0].details["band"] is None
+    assert alerts[0].details["last_healthy_iteration"] == 2  # the pending low steps were not healthy
+
+
+def test_mastered_task_with_low_entropy_stays_a_warning():
+    cfg = MonitorConfig(reward_collapse_patience=50)
+    alerts = [a for a in run_detector(_template_stream(1.0), cfg) if a.rule == "low_entropy"]
+    assert [(a.iteration, a.severity) for a in alerts] == [(5, "warning")]
+    assert not any(a.confirmed for a in alerts)
+
+
+def test_entropy_floor_and_template_rule_can_be_turned_off():
+    off = MonitorConfig(reward_collapse_patience=50, entropy_floor_ratio=0.0)
+    assert [a for a in run_detector(_template_stream(0.1), off) if a.rule == "low_entropy"] == []
+    warn_only = MonitorConfig(reward_collapse_patience=50, low_entropy_reward_drop=None)
+    alerts = [a for a in run_detector(_template_stream(0.1), warn_only) if a.rule == "low_entropy"]
+    assert [a.severity for a in alerts] == ["warning"]
+
+
 def test_kl_three_consecutive_batches_fire_and_name_the_estimator():
     alerts = run_detector(stream("kl_old_new", [0.1, 0.9, 0.9, 0.9], kl_estimator="k3"))
     assert rules(alerts) == [("kl_drift", 3)]
