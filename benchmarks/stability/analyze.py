@@ -97,6 +97,7 @@ def summary_rows(results: list[dict], methods: list[str], lrs: list[float]) -> l
                 "util": [r["token_utilisation"] for r in rs], "signal": [r["signal_share"] for r in rs],
                 "effective": [r.get("effective_utilisation") for r in rs],
                 "degraded": sum(_degraded(r) for r in rs),
+                "confirmed": sum(r.get("detector_confirmed") is not None for r in rs),
                 "wall": [r["wall_s"] for r in rs],
             })
     return rows
@@ -109,16 +110,17 @@ def _degraded(r: dict) -> bool:
 
 
 def summary_table(rows: list[dict]) -> list[str]:
-    lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | ended below start | reached target |"
+    lines = ["| LR | method | runs | collapsed (95% CI) | collapse rule | detector-confirmed | ended below start |"
+             " reached target |"
              " iters to target |"
              " final greedy reward | sampled reward, last 5 it. | token utilisation | samples with signal |"
              " effective utilisation | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci"]
         lines.append(
             f"| {r['lr']:g} | {r['method']} | {r['n']} | {r['collapses']}/{r['n']} = {r['collapses'] / r['n']:.0%} "
-            f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['degraded']}/{r['n']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
+            f"({lo:.0%}–{hi:.0%}) | {r['rules']} | {r['confirmed']}/{r['n']} | {r['degraded']}/{r['n']} | {r['reached']}/{r['n']} | {fmt_ms(r['iters'], 1)} | "
             f"{fmt_ms(r['final'])} | {fmt_ms(r['last5'])} | {fmt_ms(r['util'])} | {fmt_ms(r['signal'], 2)} | "
             f"{fmt_ms(r['effective'], 2)} | {fmt_ms(r['wall'], 0)} |")
     return lines
@@ -293,6 +295,21 @@ def _rounded(obj):
     return obj
 
 
+def budget_lines(manifest: dict, results: list[dict], full_runs: int) -> list[str]:
+    """Measured throughput of the recorded runner sessions and the full grid's time at that rate."""
+    sessions = [x for x in manifest.get("sessions", []) if x.get("runs")]
+    walls = [r["wall_s"] for r in results if r.get("wall_s")]
+    out = [f"- Compute: the {len(walls)} runs took {sum(walls) / 3600:.2f} h of run wall time in all "
+           f"({sum(walls) / len(walls):.0f} s per run on average, one process per run)."] if walls else []
+    for jobs in sorted({x["jobs"] for x in sessions}):
+        same = [x for x in sessions if x["jobs"] == jobs]
+        runs, secs = sum(x["runs"] for x in same), sum(x["seconds"] for x in same)
+        out.append(f"- Measured throughput with `--jobs {jobs}` on {same[-1].get('cpus', '?')} CPUs: {runs} runs "
+                   f"in {secs / 60:.1f} min ({secs / runs:.0f} s per run), so the full grid of {full_runs} runs "
+                   f"takes about {full_runs * secs / runs / 60:.0f} min plus the ~1 min warm-start.")
+    return out
+
+
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
                  export: bool = False) -> Path:
     from .grid import GRIDS, METHODS
@@ -329,6 +346,7 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         f"- Full grid ({len(full_grid.methods)} methods × {len(full_grid.lrs)} LRs × {len(full_grid.seeds)} seeds = "
         f"{len(full_grid.runs())} runs): `python -m benchmarks.stability.run --grid full --out runs/stability "
         "--jobs 2` (resumable: rerun the same command after an interruption).",
+        *budget_lines(manifest, results, len(full_grid.runs())),
         "",
         "## Setup", "",
         "The real stack: `dpcc-megatron train` (one process, TP=1) on the demo's tiny Megatron-Core GPT "

@@ -85,8 +85,11 @@ def collapse_verdict(records: list[dict], monitor_cfg, stop_reason: str = "") ->
     fired: dict[str, int] = {}
     for a in alerts:
         fired[a.rule] = fired.get(a.rule, 0) + 1
+    confirmed = [a for a in alerts if a.confirmed]
     verdict = {"collapsed": bool(collapses), "collapse_rule": None, "collapse_iteration": None,
                "alerts_by_rule": fired,
+               # what the product's own rules confirm (these would trigger a rollback in training)
+               "detector_confirmed": confirmed[0].rule if confirmed else None,
                "first_alert": ({"rule": alerts[0].rule, "severity": alerts[0].severity,
                                 "iteration": alerts[0].iteration} if alerts else None)}
     if collapses:

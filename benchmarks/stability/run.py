@@ -163,6 +163,15 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
     })
 
 
+def record_session(out: Path, runs: int, seconds: float, jobs: int) -> None:
+    """Append this invocation's throughput (runs finished, wall seconds, parallel jobs) to the manifest."""
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest.setdefault("sessions", []).append({"runs": runs, "seconds": round(seconds, 1), "jobs": jobs,
+                                                "cpus": os.cpu_count()})
+    _write_json(path, manifest)
+
+
 def _csv(kind):
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
 
@@ -222,9 +231,12 @@ def main(argv=None) -> int:
               f"{res.get('reward_after')}, {res['wall_s']:.0f}s", flush=True)
         return res
 
+    t0, finished = time.time(), 0
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for res in pool.map(work, todo):
             failures += res is not None and "error" in res
+            finished += res is not None and "error" not in res
+    record_session(out, finished, time.time() - t0, args.jobs)
     left = len(pending_runs(grid, out))
     print(f"[stability] done: {total - left}/{total} runs have results, {failures} failed this time", flush=True)
     return 1 if failures else 0

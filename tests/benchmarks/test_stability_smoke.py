@@ -47,6 +47,18 @@ def test_verdict_flags_entropy_collapse_relative_to_the_warm_start_band():
     assert v["collapsed"] and v["collapse_rule"] == "low_entropy" and v["collapse_iteration"] == 4
 
 
+def test_verdict_reports_what_the_products_detector_confirms():
+    cfg = MonitorConfig(entropy_band=(0.32, 1.6))
+    healthy = [dict(r, reward_mean=0.5) for r in _records([0.8] * 3, reward=0.5)]
+    stuck = [dict(r, iteration=3 + r["iteration"], reward_mean=0.05)
+             for r in _records([0.05] * 6, reward=0.05, reward_std=0.0)]
+    v = collapse_verdict(healthy + stuck, cfg)
+    # below the band from iteration 3, patience 3 -> critical at 5, confirmed 3 steps later
+    assert v["collapse_rule"] == "low_entropy" and v["collapse_iteration"] == 5
+    assert v["detector_confirmed"] == "low_entropy"
+    assert collapse_verdict(healthy, cfg)["detector_confirmed"] is None
+
+
 def test_reward_variance_collapse_counts_only_below_solved():
     cfg = MonitorConfig(entropy_band=(0.1, 2.0))
     stuck = _records([0.8] * 8, reward=0.09, reward_std=0.0)
@@ -86,6 +98,7 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     for png in ("collapse_rate.png", "curves.png"):
         assert (md.parent / png).stat().st_size > 1000
 
+    assert "Measured throughput with `--jobs 1`" in text and "full grid of" in text
     broken = json.loads((out / "results" / f"{run_key('grpo', BROKEN_LR, 1)}.json").read_text())
     assert broken["iterations"] == 5
     assert broken["collapsed"], f"10x the aggressive LR was not flagged: {broken['alerts_by_rule']}"
