@@ -160,6 +160,7 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
         "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(), "out": str(out), "iterations": grid.iterations,
         "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
+        "sessions": old.get("sessions", []),
     })
 
 

@@ -88,6 +88,8 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     _module("benchmarks.stability.run", "--grid", "smoke", "--out", out, "--methods", "grpo", "--lrs", BROKEN_LR)
     # Resumable: every run is cached, so a rerun trains nothing.
     assert "0 to run" in _module("benchmarks.stability.run", "--grid", "smoke", "--out", out)
+    sessions = json.loads((out / "manifest.json").read_text())["sessions"]
+    assert [x["runs"] for x in sessions] == [2, 1]  # every invocation that ran something, kept across runs
 
     md = tmp_path / "report" / "RESULTS.md"
     _module("benchmarks.stability.analyze", "--out", out, "--results-md", md)
