@@ -92,10 +92,17 @@ class DPCCController:
             self.counters["nonfinite_kl"] += 1
             return
         if fresh and c.skip_fresh_kl:
-            self.counters["fresh_kl_skipped"] += 1
-            if self.lr_factor < 1.0:
-                self.counters["lr_reduced_steps"] += 1
-            return
+            self.counters["fresh_kl_skipped"] += 1  # D, drift and factor carry over unchanged
+        else:
+            self._update(kl)
+        if self.lr_factor < 1.0:
+            self.counters["lr_reduced_steps"] += 1
+        if self.tau_adaptive <= c.tau_min:
+            self.counters["tau_floor_steps"] += 1
+
+    def _update(self, kl: float) -> None:
+        """Fold one finite KL observation into D, the drift score and the LR factor."""
+        c = self.config
         self.counters["observations"] += 1
         self.last_kl = kl
         self.kl_ema = kl if self.kl_ema is None else c.kl_ema_decay * self.kl_ema + (1.0 - c.kl_ema_decay) * kl
@@ -108,10 +115,6 @@ class DPCCController:
             self._hold -= 1  # hysteresis: keep the last reduced factor a little longer
         else:
             self._lr_factor = 1.0
-        if self.lr_factor < 1.0:
-            self.counters["lr_reduced_steps"] += 1
-        if self.tau_adaptive <= c.tau_min:
-            self.counters["tau_floor_steps"] += 1
 
     # -- reporting and checkpointing -------------------------------------------------
     def metrics(self) -> dict[str, float]:

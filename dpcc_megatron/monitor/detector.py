@@ -321,9 +321,9 @@ class CollapseDetector:
         drop, best, mean = c.low_entropy_reward_drop, self.best_healthy_reward, rec.get("reward_mean")
         if drop is None or best is None or not is_finite(mean) or mean > best - drop:
             return ""
-        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
-        if not ((is_finite(std) and std < c.reward_std_min) or (is_finite(zv) and zv >= c.zero_var_frac_max)):
+        if not self._no_reward_signal(rec):
             return ""
+        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
         return (f"with no reward signal (reward_std={std!r}, zero_var_frac={zv!r}) and reward_mean {mean:.4g} "
                 f"below its best healthy {best:.4g} by >= {drop:g}: a template collapse")
 
@@ -372,13 +372,17 @@ class CollapseDetector:
                     "grad_norm", self._window("grad_norm", c.grad_spike_window + 1),
                     {"median": med, "factor": c.grad_spike_factor})
 
+    def _no_reward_signal(self, rec: Mapping) -> bool:
+        """reward_std below reward_std_min or zero_var_frac at or above zero_var_frac_max."""
+        c, std, zv = self.cfg, rec.get("reward_std"), rec.get("zero_var_frac")
+        return bool((is_finite(std) and std < c.reward_std_min) or (is_finite(zv) and zv >= c.zero_var_frac_max))
+
     def _rule_reward(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
         std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
         if not (is_finite(std) or is_finite(zv)):
             return None
-        collapsed = (is_finite(std) and std < c.reward_std_min) or (is_finite(zv) and zv >= c.zero_var_frac_max)
-        self._counters["reward"] = self._counters["reward"] + 1 if collapsed else 0
+        self._counters["reward"] = self._counters["reward"] + 1 if self._no_reward_signal(rec) else 0
         if self._counters["reward"] < c.reward_collapse_patience:
             return None
         key = "reward_std" if is_finite(std) and std < c.reward_std_min else "zero_var_frac"

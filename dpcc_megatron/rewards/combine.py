@@ -21,16 +21,14 @@ from typing import Optional
 
 import torch
 
+from .reliability import group_means, group_variances
+
 
 def zscore_by_group(x: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(x - group mean) / (group std + eps); groups with no spread become 0."""
     x = x.to(torch.float64)
-    n = int(group_index.max()) + 1 if group_index.numel() else 0
-    count = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(x))
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, x) / count
-    centered = x - mean[group_index]
-    var = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, centered ** 2) / count
-    return centered / (var.sqrt()[group_index] + eps)
+    centered = x - group_means(x, group_index)[group_index]
+    return centered / (group_means(centered ** 2, group_index).sqrt()[group_index] + eps)
 
 
 def normalize_track(x: torch.Tensor, group_index: torch.Tensor, mode: str, eps: float = 1e-6) -> torch.Tensor:
@@ -54,16 +52,9 @@ def gate_by_base_spread(advanced: torch.Tensor, base: torch.Tensor, group_index:
     and group-std advantages would blow them up to unit size; flattening keeps the group's mean
     (so batch-level comparisons are unchanged) and removes only that within-group spread.
     """
-    from .reliability import group_variances
-
     adv = advanced.to(torch.float64)
-    if group_index.numel() == 0:
-        return adv, torch.zeros(0, dtype=torch.bool)
-    n = int(group_index.max()) + 1
-    count = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(adv))
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, adv) / count
     gated = group_variances(base, group_index) <= tol
-    return torch.where(gated[group_index], mean[group_index], adv), gated
+    return torch.where(gated[group_index], group_means(adv, group_index)[group_index], adv), gated
 
 
 class DynamicWeights:

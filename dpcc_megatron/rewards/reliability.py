@@ -17,13 +17,18 @@ from typing import Optional
 import torch
 
 
-def group_variances(x: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """Population variance of ``x`` within each group."""
+def group_means(x: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` within each group: float64 [num_groups] for contiguous ids in ``group_index``."""
     x = x.to(torch.float64)
     n = int(group_index.max()) + 1 if group_index.numel() else 0
     count = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(x))
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, x) / count
-    return torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, (x - mean[group_index]) ** 2) / count
+    return torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, x) / count
+
+
+def group_variances(x: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Population variance of ``x`` within each group."""
+    x = x.to(torch.float64)
+    return group_means((x - group_means(x, group_index)[group_index]) ** 2, group_index)
 
 
 def within_group_variance(x: torch.Tensor, group_index: torch.Tensor) -> float:

@@ -199,6 +199,8 @@ def test_skip_fresh_kl_carries_the_factor_over_the_iteration_boundary():
     assert carried.counters["observations"] == 2
     assert carried.kl_ema == pytest.approx(0.5 * 0.55 + 0.5 * 0.30)  # decay 0.5; the zeros never entered it
     assert as_specified.counters["fresh_kl_skipped"] == 0
+    # a carried reduced factor is a reduced step like any other
+    assert (as_specified.counters["lr_reduced_steps"], carried.counters["lr_reduced_steps"]) == (2, 3)
 
 
 def test_fresh_kl_counts_as_observation_when_not_skipped():
