@@ -10,6 +10,13 @@ Protocol, once per optimizer step:
         ctl.observe(kl)   # KL(pi_old || pi_new) measured on the batch just used, after the step
 
 ``observe`` advances the step and fixes tau and the LR factor of the NEXT step.
+
+A trainer that can skip a step (non-finite gradients, fp16 overflow) measures first and
+advances only when the optimizer actually applied the step, like Megatron's LR scheduler,
+so the early-phase schedule and the LR schedule count the same steps:
+
+        ctl.observe(kl, advance=False)                 # before optimizer.step(): sets the factor
+        if step_applied: ctl.advance()
 ``state_dict()`` is plain JSON-able Python, so a resumed run decides identically.
 """
 from __future__ import annotations
@@ -78,26 +85,31 @@ class DPCCController:
         return dataclasses.replace(base, dpcc=dataclasses.replace(base.dpcc, tau=self.tau))
 
     # -- update ---------------------------------------------------------------------
-    def observe(self, kl: float, fresh: bool = False) -> None:
-        """Record KL(pi_old || pi_new) of the step just taken and advance to the next step.
+    def observe(self, kl: float, fresh: bool = False, *, advance: bool = True) -> None:
+        """Record a KL(pi_old || pi_new) measurement; with ``advance`` also move to the next step.
 
-        A non-finite ``kl`` is counted and otherwise ignored: the step advances and the
-        KL average, drift score and LR factor keep their previous values. So is a ``fresh``
-        one (measured right after pi_old was recomputed) when ``skip_fresh_kl`` is on.
+        A non-finite ``kl`` (pass NaN when the measurement is unusable, e.g. non-finite
+        logits) is counted and otherwise ignored: the KL average, drift score and LR factor
+        keep their previous values. So is a ``fresh`` one (measured right after pi_old was
+        recomputed) when ``skip_fresh_kl`` is on.
         """
         c = self.config
         kl = float(kl)
-        self.step += 1
         if not math.isfinite(kl):
             self.counters["nonfinite_kl"] += 1
-            return
-        if fresh and c.skip_fresh_kl:
+        elif fresh and c.skip_fresh_kl:
             self.counters["fresh_kl_skipped"] += 1  # D, drift and factor carry over unchanged
         else:
             self._update(kl)
+        if advance:
+            self.advance()
+
+    def advance(self) -> None:
+        """One optimizer step was applied (at the current ``lr_factor`` and ``tau``)."""
+        self.step += 1
         if self.lr_factor < 1.0:
             self.counters["lr_reduced_steps"] += 1
-        if self.tau_adaptive <= c.tau_min:
+        if self.tau_adaptive <= self.config.tau_min:
             self.counters["tau_floor_steps"] += 1
 
     def _update(self, kl: float) -> None:

@@ -16,7 +16,17 @@ Two directions are used in this package:
 * policy drift KL(pi_old || pi_theta) on rollout tokens (sampled from pi_old):
   ``kl_terms(old_logprobs, logprobs)``; drives DPCC's tau_t and drift score;
 * reference penalty KL(pi_theta || pi_ref) (tokens from pi_old ~ pi_theta):
-  ``kl_terms(logprobs, ref_logprobs)``.
+  ``kl_terms(logprobs, ref_logprobs)`` gives its value.
+
+The penalty's gradient. Differentiating an estimator's per-token term does not in
+general give the gradient of the KL it estimates. With x ~ pi_theta and
+d = log pi_theta(x) - log pi_ref(x), the true gradient is
+grad KL(pi_theta || pi_ref) = E[d * grad log pi_theta(x)]. The k2 term's derivative is
+exactly d * grad log pi_theta; k1's is grad log pi_theta (zero in expectation), and k3's is
+(1 - pi_ref / pi_theta) grad log pi_theta, whose expectation is the gradient of the *other*
+direction, KL(pi_ref || pi_theta). So :func:`ref_kl_penalty` takes its value from the
+chosen estimator and its gradient from d * grad log pi_theta for every estimator: the
+penalty pulls pi_theta toward pi_ref along grad KL(pi_theta || pi_ref), as documented.
 """
 from __future__ import annotations
 
@@ -69,6 +79,10 @@ def ref_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_
                    normalizer: Optional[LossNormalizer] = None, clamp: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
     """coef * KL(pi_theta || pi_ref), aggregated like the policy loss it is added to.
 
+    The value is the ``estimator``'s; the gradient is coef * d * grad log pi_theta per token with
+    d = clamp(log pi_theta - log pi_ref), the on-policy gradient of KL(pi_theta || pi_ref) whatever
+    the estimator (see the module docstring).
+
     Args:
         logprobs: [B, T] current policy log-probs (with grad).
         ref_logprobs: [B, T] reference policy log-probs (no grad).
@@ -79,9 +93,13 @@ def ref_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_
     """
     mask = response_mask.bool()
     # Masking the inputs (not only the terms) keeps padding garbage out of the gradient.
-    terms = kl_terms(torch.where(mask, logprobs, 0.0), torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), 0.0),
-                     estimator, clamp)
-    penalty = coef * aggregate(terms, mask, aggregation, normalizer)
+    lp = torch.where(mask, logprobs, 0.0)
+    ref = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), 0.0)
+    terms = kl_terms(lp.detach(), ref, estimator, clamp)
+    # value: the estimator's term (lp - sg(lp) is 0); gradient: sg(d) * grad log pi_theta.
+    d = (lp.detach() - ref).clamp(-clamp, clamp)
+    surrogate = terms + d * (lp - lp.detach())
+    penalty = coef * aggregate(surrogate, mask, aggregation, normalizer)
     with torch.no_grad():
         kl = torch.where(mask, terms, 0.0).sum() / mask.sum().clamp(min=1)
     return penalty, kl.detach()

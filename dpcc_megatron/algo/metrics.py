@@ -12,7 +12,7 @@ Every policy loss returns detached 0-dim tensors. Each key has a reduction in
 
 Keys: ``pg_loss``, ``clip_frac_low``/``clip_frac_high`` (valid tokens whose ratio lies
 below/above the loss's bounds), ``ratio_mean``/``ratio_min``/``ratio_max`` (token ratio
-pi_theta/pi_old), ``kl_k1``/``kl_k3`` (KL(pi_old || pi_theta) token means),
+pi_theta/pi_old), ``kl_k1``/``kl_k2``/``kl_k3`` (KL(pi_old || pi_theta) token means, one per estimator),
 ``utilisation`` (valid tokens with nonzero advantage whose gradient is nonzero, over
 those tokens; 1.0 when there are none), the weights ``num_tokens``, ``num_adv_tokens``
 and ``num_seqs``, ``tau`` (dpcc) and, with a reference penalty, ``ref_kl``/``ref_kl_loss``.
@@ -33,6 +33,7 @@ METRIC_REDUCTIONS: dict[str, tuple[str, Optional[str]]] = {
     "ratio_min": ("min", "num_tokens"),
     "ratio_max": ("max", "num_tokens"),
     "kl_k1": ("mean", "num_tokens"),
+    "kl_k2": ("mean", "num_tokens"),
     "kl_k3": ("mean", "num_tokens"),
     "ref_kl": ("mean", "num_tokens"),
     "utilisation": ("mean", "num_adv_tokens"),
@@ -90,6 +91,7 @@ def token_metrics(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
         "ratio_min": torch.where(has_tok, torch.where(mask, ratio, math.inf).amin(), 1.0),
         "ratio_max": torch.where(has_tok, torch.where(mask, ratio, -math.inf).amax(), 1.0),
         "kl_k1": torch.where(mask, -lr, 0.0).sum() / denom,
+        "kl_k2": torch.where(mask, 0.5 * lr.square(), 0.0).sum() / denom,
         "kl_k3": torch.where(mask, torch.expm1(lr) - lr, 0.0).sum() / denom,
         "utilisation": torch.where(n_adv > 0, used / n_adv.clamp(min=1), 1.0),
         "num_tokens": n_tok,

@@ -143,6 +143,19 @@ def test_nonfinite_kl_is_counted_and_ignored():
     assert ctl.step == 3 and ctl.counters["nonfinite_kl"] == 2 and ctl.counters["observations"] == 1
 
 
+def test_measure_then_advance_only_on_applied_steps():
+    """A skipped optimizer step is measured but not counted: the early-phase schedule counts
+    applied steps, like the LR scheduler."""
+    ctl = DPCCController(_cfg(total_steps=10, early_phase_fraction=0.2, early_relax_fraction=0.0))
+    ctl.observe(0.001, advance=False)
+    assert ctl.step == 0 and ctl.counters["observations"] == 1
+    ctl.observe(float("nan"), advance=False)  # unusable measurement of a skipped step
+    assert ctl.step == 0 and ctl.counters["nonfinite_kl"] == 1
+    ctl.advance()
+    ctl.advance()
+    assert ctl.step == 2 and ctl.tau_cap == ctl.config.tau0  # early phase (2 of 10 steps) is over
+
+
 def test_total_steps_required_for_early_phase():
     with pytest.raises(ValueError, match="total_steps"):
         DPCCController(_cfg(total_steps=None))

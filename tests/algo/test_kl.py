@@ -63,10 +63,30 @@ def test_ref_penalty_value_and_gradient():
     n = int(mask.sum())
     assert float(penalty) == pytest.approx(0.5 * float((torch.expm1(x) - x).sum()) / n)
     assert float(kl) == pytest.approx(float((torch.expm1(x) - x).sum()) / n)
-    # d/dlp of exp(ref - lp) - 1 - (ref - lp) is 1 - exp(ref - lp)
+    # value from k3; gradient sg(log pi_theta - log pi_ref) * grad log pi_theta = -x per token
     expected = torch.zeros_like(lp)
-    expected[mask] = 0.5 * (1 - torch.exp(x)) / n
+    expected[mask] = 0.5 * (-x) / n
     torch.testing.assert_close(leaf.grad, expected)
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_ref_penalty_gradient_is_that_of_kl_theta_ref_in_expectation(estimator):
+    """Over a categorical pi_theta, E_{x~pi_theta}[grad penalty(x)] equals grad KL(pi_theta || pi_ref)
+    exactly, for every estimator (a differentiated k3 term would give grad KL(pi_ref || pi_theta))."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(logits, -1)
+    exact = (lp.exp() * (lp - ref)).sum()
+    (want,) = torch.autograd.grad(exact, logits, retain_graph=True)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    expectation = sum(lp[x].exp().detach() * ref_kl_penalty(lp[x].view(1, 1), ref[x].view(1, 1), one, 1.0, estimator)[0]
+                      for x in range(6))
+    (got,) = torch.autograd.grad(expectation, logits, retain_graph=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    reverse = (ref.exp() * (ref - lp)).sum()  # KL(pi_ref || pi_theta): a different gradient
+    (other,) = torch.autograd.grad(reverse, logits)
+    assert not torch.allclose(got, other, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["grpo", "dpcc", "dr_grpo"])

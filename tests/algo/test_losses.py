@@ -176,6 +176,7 @@ def test_metrics_are_detached_scalars_with_exact_values(name):
     assert float(metrics["ratio_min"]) == pytest.approx(min(ratios), rel=1e-6)
     assert float(metrics["ratio_max"]) == pytest.approx(max(ratios), rel=1e-6)
     assert float(metrics["kl_k1"]) == pytest.approx(-sum(log_r) / len(ratios), rel=1e-5, abs=1e-9)
+    assert float(metrics["kl_k2"]) == pytest.approx(sum(0.5 * x * x for x in log_r) / len(ratios), rel=1e-5)
     assert float(metrics["kl_k3"]) == pytest.approx(sum(r - 1 - x for r, x in zip(ratios, log_r)) / len(ratios), rel=1e-5)
 
 
