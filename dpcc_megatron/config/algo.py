@@ -28,7 +28,10 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 @dataclass
 class DPCCConfig:
-    """Dynamic policy calibration: adaptive ratio threshold tau_t, early phase and drift-aware LR."""
+    """Dynamic policy calibration: adaptive ratio threshold tau_t, early phase and drift-aware LR.
+
+    Read by: dpcc_megatron/algo/, dpcc_megatron/train/update.py, dpcc_megatron/train/metrics.py.
+    """
 
     tau0: float = 2.0
     """Largest ratio threshold (the conventional hard threshold); tau_t = tau0 * (1 - alpha * D) clamped to [tau_min, tau0]."""
@@ -37,7 +40,8 @@ class DPCCConfig:
     tau_min: float = 1.1
     """Smallest threshold; must be > 1 so the trust region [1/tau, tau] never collapses."""
     kl_estimator: KLEstimator = "k3"
-    """Estimator of the measured KL(pi_old || pi_new) token mean that drives tau_t and the drift score."""
+    """Estimator (k1, k2 or k3) of the measured KL(pi_old || pi_new) token mean that drives tau_t and the
+    drift score, and that the record logs as `kl_old_new`; every step computes all three."""
     kl_ema_decay: float = 0.9
     """EMA smoothing D <- decay * D + (1 - decay) * kl; the first observation initialises D; 0 disables smoothing."""
     total_steps: Optional[int] = None
@@ -49,7 +53,9 @@ class DPCCConfig:
     early_tau: float = 1.2
     """Conservative threshold cap of the early phase, in [tau_min, tau0]."""
     tau: Optional[float] = None
-    """Threshold used by the `dpcc` loss; set every step by DPCCController.loss_config(); None means tau0."""
+    """Internal: the threshold tau_t handed to the `dpcc` loss, set every step by
+    DPCCController.loss_config(). Must be left unset in a config (refused): for a fixed threshold set
+    tau0 with alpha: 0 and early_phase_fraction: 0."""
     drift_lr: bool = True
     """Scale the next step's LR by min(1, 0.5 / (d - theta + 1)) when the drift score d exceeds theta."""
     drift_threshold: float = 0.02
@@ -77,7 +83,9 @@ class DPCCConfig:
               f"must be in [0, 1], got {self.early_relax_fraction}")
         check(self.tau_min <= self.early_tau <= self.tau0, "early_tau",
               f"must be in [tau_min={self.tau_min}, tau0={self.tau0}], got {self.early_tau}")
-        check(self.tau is None or self.tau > 1, "tau", f"must be > 1 or null, got {self.tau}")
+        check(self.tau is None, "tau",
+              f"is set by the DPCC controller every step and cannot be configured (got {self.tau}); "
+              "for a fixed threshold set tau0 with alpha: 0, early_phase_fraction: 0 and early_relax_fraction: 0")
         check(self.drift_threshold >= 0, "drift_threshold", f"must be >= 0, got {self.drift_threshold}")
         check(self.drift_hysteresis_steps >= 0, "drift_hysteresis_steps",
               f"must be >= 0, got {self.drift_hysteresis_steps}")
@@ -85,7 +93,10 @@ class DPCCConfig:
 
 @dataclass
 class LossConfig:
-    """Policy loss (one of the registered losses), reference-KL penalty and group advantages."""
+    """Policy loss (one of the registered losses), reference-KL penalty and group advantages.
+
+    Read by: dpcc_megatron/algo/, dpcc_megatron/train/.
+    """
 
     name: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc"] = "dpcc"
     """Registered policy loss."""
@@ -108,7 +119,8 @@ class LossConfig:
     ref_kl_coef: float = 0.0
     """Coefficient of the reference-policy penalty KL(pi_theta || pi_ref); 0 disables it."""
     kl_estimator: KLEstimator = "k3"
-    """Estimator of the reference-policy penalty."""
+    """Estimator of the reference-policy penalty's value (logged as `ref_kl`); its gradient is the on-policy
+    gradient of KL(pi_theta || pi_ref) whatever the estimator (docs/algorithm.md)."""
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     """Group-relative advantage: `grpo` (r - mean) / (std + eps), `dr_grpo` r - mean."""
     advantage_eps: float = 1e-6

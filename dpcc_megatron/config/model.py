@@ -10,7 +10,10 @@ from .base import check
 
 @dataclass
 class ModelConfig:
-    """GPT architecture, mapped one to one onto Megatron-Core's TransformerConfig."""
+    """GPT architecture, mapped one to one onto Megatron-Core's TransformerConfig.
+
+    Read by: dpcc_megatron/megatron/model.py.
+    """
 
     num_layers: int = 2
     """Number of transformer layers."""
@@ -51,9 +54,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the random initialisation (when not loading a checkpoint)."""
     attention_dropout: float = 0.0
-    """Attention dropout (0 for RL: ratios must be deterministic)."""
+    """Attention dropout; must be 0: pi_old is recomputed without dropout, so any dropout in the
+    update would make even a first step's ratio differ from 1 (refused, not silently changed)."""
     hidden_dropout: float = 0.0
-    """Hidden dropout (0 for RL)."""
+    """Hidden dropout; must be 0, as attention_dropout."""
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_seq_len"):
@@ -67,13 +71,18 @@ class ModelConfig:
         check(groups > 0 and self.num_attention_heads % groups == 0, "num_query_groups",
               f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}")
         check(self.norm_epsilon > 0, "norm_epsilon", f"must be > 0, got {self.norm_epsilon}")
-        check(0.0 <= self.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {self.attention_dropout}")
-        check(0.0 <= self.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {self.hidden_dropout}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            check(getattr(self, name) == 0.0, name,
+                  f"must be 0 for RL, got {getattr(self, name)}: old-policy log-probs are computed without dropout "
+                  "and the update would apply it, so the importance ratio would not be 1 even on the first step")
 
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Data parallelism is whatever the world size leaves over."""
+    """Parallel layout. Data parallelism is whatever the world size leaves over.
+
+    Read by: dpcc_megatron/megatron/, dpcc_megatron/train/context.py.
+    """
 
     tensor_model_parallel_size: int = 1
     """TP degree (shards heads, MLP and vocabulary)."""
@@ -118,6 +127,7 @@ class PrecisionConfig:
     Loss math (log-probs, ratios, KL, entropy, advantages) is fp32 whatever the training
     precision. Hardware and Transformer Engine checks run before the model is built
     (:func:`dpcc_megatron.megatron.precision.check_precision_environment`).
+    Read by: dpcc_megatron/megatron/, dpcc_megatron/train/.
     """
 
     params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -35,7 +35,10 @@ def parse_hostport(value: str) -> tuple[str, int]:
 
 @dataclass
 class MonitorConfig:
-    """Metrics sidecar, trainer-side client and collapse detector."""
+    """Metrics sidecar, trainer-side client and collapse detector.
+
+    Read by: dpcc_megatron/monitor/, dpcc_megatron/train/context.py, dpcc_megatron/commands/monitor.py.
+    """
 
     # --- process, transport, storage -------------------------------------------------
     enabled: bool = True
@@ -133,6 +136,11 @@ class MonitorConfig:
     # --- control channel --------------------------------------------------------------------
     control_enabled: bool = True
     """Derive control advice from alerts (otherwise the advice is always none)."""
+    advice_wait_s: float = 10.0
+    """The trainer waits up to this long, after sending iteration i's record, for the sidecar to
+    acknowledge it, so advice about iteration i is always applied before iteration i+1 (runs are
+    reproducible). On time-out it logs the fallback, counts it and uses the rank-0 local detector's
+    advice for that iteration. 0 never waits (advice then lands whenever it arrives)."""
     reduce_lr_factor: float = 0.5
     """kl_drift / high_entropy advise multiplying the LR by this factor."""
     rollback_on_collapse: bool = True
@@ -159,6 +167,7 @@ class MonitorConfig:
         check(self.control_poll_interval_s > 0, "control_poll_interval_s",
               f"must be > 0, got {self.control_poll_interval_s}")
         check(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        check(self.advice_wait_s >= 0, "advice_wait_s", f"must be >= 0, got {self.advice_wait_s}")
         check(self.retry_max_backoff_s > 0, "retry_max_backoff_s", f"must be > 0, got {self.retry_max_backoff_s}")
         check(self.spool_max_bytes >= 0, "spool_max_bytes", f"must be >= 0, got {self.spool_max_bytes}")
         if self.entropy_band is not None:

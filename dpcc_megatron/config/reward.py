@@ -23,7 +23,10 @@ from .base import check
 
 @dataclass
 class CheckerSpec:
-    """One rule checker applied to a task."""
+    """One rule checker applied to a task.
+
+    Read by: dpcc_megatron/rewards/base_layer.py.
+    """
 
     name: str
     """Registered checker name (`math`, `code`, `json`, `format`, `language`, `exact`, `sequence`, ...)."""
@@ -59,7 +62,10 @@ def default_task_checkers() -> dict[str, list[CheckerSpec]]:
 
 @dataclass
 class PenaltyConfig:
-    """Penalties subtracted from the base score of every task (DAPO-style overlong, repeated n-grams)."""
+    """Penalties subtracted from the base score of every task (DAPO-style overlong, repeated n-grams).
+
+    Read by: dpcc_megatron/rewards/base_layer.py.
+    """
 
     max_length: int = 0
     """Hard length cap in tokens; 0 disables the overlong penalty (set it to rollout.max_new_tokens)."""
@@ -88,7 +94,10 @@ class PenaltyConfig:
 
 @dataclass
 class SandboxConfig:
-    """Limits of the subprocess that runs untrusted code (code checker unit tests)."""
+    """Limits of the subprocess that runs untrusted code (code checker unit tests).
+
+    Read by: dpcc_megatron/rewards/.
+    """
 
     timeout_s: float = 5.0
     """Wall-clock limit per run; the whole process group is killed after it and the sample scores 0."""
@@ -111,7 +120,10 @@ class SandboxConfig:
 
 @dataclass
 class JudgeConfig:
-    """The advanced-track judge: a utility per sample, turned into Bradley-Terry win rates."""
+    """The advanced-track judge: a utility per sample, turned into Bradley-Terry win rates.
+
+    Read by: dpcc_megatron/rewards/judges.py, dpcc_megatron/rewards/dual_track.py.
+    """
 
     kind: Literal["deterministic", "hf_rm"] = "deterministic"
     """`deterministic` (base score + quality features) or `hf_rm` (local HF sequence-classification model)."""
@@ -148,7 +160,10 @@ class JudgeConfig:
 
 @dataclass
 class DynamicWeightConfig:
-    """Shift weight toward the more reliable track, within bounds."""
+    """Shift weight toward the more reliable track, within bounds.
+
+    Read by: dpcc_megatron/rewards/.
+    """
 
     enabled: bool = False
     """Off: the static base_weight/advanced_weight are used."""
@@ -177,7 +192,10 @@ class DynamicWeightConfig:
 
 @dataclass
 class RewardConfig:
-    """Dual-track reward: rule-based base layer + contrastive advanced layer."""
+    """Dual-track reward: rule-based base layer + contrastive advanced layer.
+
+    Read by: dpcc_megatron/rewards/, dpcc_megatron/train/rollout.py.
+    """
 
     base_weight: float = 0.4
     """Static weight of the base (rule) track; also the starting point of dynamic weights."""

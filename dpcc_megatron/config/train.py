@@ -9,7 +9,10 @@ from .base import check
 
 @dataclass
 class DataConfig:
-    """Prompt source and tokenizer."""
+    """Prompt source and tokenizer.
+
+    Read by: dpcc_megatron/train/, dpcc_megatron/data/.
+    """
 
     prompts: Optional[str] = None
     """JSONL file, one object per line with `prompt` and task fields; None uses the built-in synthetic task."""
@@ -31,7 +34,10 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling with the policy model itself."""
+    """Sampling with the policy model itself.
+
+    Read by: dpcc_megatron/train/.
+    """
 
     group_size: int = 8
     """G: samples per prompt (the GRPO group)."""
@@ -60,7 +66,10 @@ class RolloutConfig:
 
 @dataclass
 class OptimizerConfig:
-    """Megatron optimizer and LR schedule (OptimizerParamScheduler)."""
+    """Megatron optimizer and LR schedule (OptimizerParamScheduler).
+
+    Read by: dpcc_megatron/megatron/optimizer.py.
+    """
 
     name: Literal["adam", "sgd"] = "adam"
     """Optimizer."""
@@ -96,7 +105,10 @@ class OptimizerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Distributed checkpoints (megatron.core.dist_checkpointing, torch_dist)."""
+    """Distributed checkpoints (megatron.core.dist_checkpointing, torch_dist).
+
+    Read by: dpcc_megatron/train/, dpcc_megatron/megatron/checkpoint.py.
+    """
 
     dir: Optional[str] = None
     """Where to save and resume from; None disables checkpointing."""
@@ -116,7 +128,10 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
-    """The RL loop."""
+    """The RL loop.
+
+    Read by: dpcc_megatron/train/.
+    """
 
     iterations: int = 10
     """RL iterations (rollout + K inner epochs each)."""

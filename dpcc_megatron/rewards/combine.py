@@ -63,6 +63,7 @@ class DynamicWeights:
     def __init__(self, cfg):
         d = cfg.dynamic
         self.enabled, self.static = d.enabled, cfg.base_weight
+        self.static_advanced = cfg.advanced_weight  # validated to be 1 - base_weight
         self.lo, self.hi, self.rate, self.ema = d.min_base_weight, d.max_base_weight, d.rate, d.ema
         self.base_weight = min(self.hi, max(self.lo, self.static)) if self.enabled else self.static
         self.noise: dict[str, Optional[float]] = {"base": None, "advanced": None}
@@ -71,6 +72,8 @@ class DynamicWeights:
 
     @property
     def weights(self) -> dict[str, float]:
+        if not self.enabled:
+            return {"base": self.static, "advanced": self.static_advanced}
         return {"base": self.base_weight, "advanced": 1.0 - self.base_weight}
 
     def _smooth(self, old: Optional[float], new: Optional[float]) -> Optional[float]:

@@ -7,9 +7,10 @@
     state = reward.state_dict()                     # weights, buffer, counters: exact resume
     reward.close()                                  # stops the sandbox pool
 
-Per-component advantage normalisation: use ``result.components()`` (raw base
-and advanced, each in [0, 1]), ``result.group_index`` and ``result.weights``
-instead of ``result.total``.
+Per-component advantage normalisation: use ``reward.normalized_components(result)``
+(each track normalised as ``normalize`` says, exactly as inside ``total``),
+``result.group_index`` and ``result.weights`` instead of ``result.total``;
+``result.components()`` holds the raw tracks, each in [0, 1].
 """
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ class DualTrackReward:
         mode = self.cfg.normalize
         return (weights["base"] * normalize_track(base, gidx, mode)
                 + weights["advanced"] * normalize_track(adv, gidx, mode))
+
+    def normalized_components(self, result: RewardResult) -> dict[str, torch.Tensor]:
+        """The two tracks after ``normalize`` (none/group/batch), before the weighted sum: what
+        per-component advantages start from, so ``normalize`` acts on both paths alike."""
+        mode = self.cfg.normalize
+        return {name: normalize_track(x, result.group_index, mode) for name, x in result.components().items()}
 
     def score(self, samples: Sequence[Sample], *, update: bool = True) -> RewardResult:
         """Score a batch. ``update=False`` leaves all state (weights, step, counters) untouched."""
