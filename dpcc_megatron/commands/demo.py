@@ -55,16 +55,19 @@ def main(args) -> int:
         apply_override(cfg, o)
     sidecar = None
     env = dict(os.environ)
+    monitor = cfg.setdefault("monitor", {})  # --set monitor.* reaches the trainer and the sidecar alike
     if not args.no_monitor:
+        from ..config import JobConfig, from_dict
         from ..monitor.launcher import start_sidecar
 
-        sidecar = start_sidecar(str(out / "monitor.db"), output_dir=str(out / "monitor"),
-                                log_path=str(out / "monitor.log"))
-        cfg["monitor"] = {"enabled": True, "address": sidecar.address}
+        monitor["enabled"] = True
+        sidecar = start_sidecar(str(out / "monitor.db"), cfg=from_dict(JobConfig, cfg).monitor,
+                                output_dir=str(out / "monitor"), log_path=str(out / "monitor.log"))
+        monitor["address"] = sidecar.address
         env["DPCC_MONITOR_TOKEN"] = sidecar.token
         print(f"[demo] monitor sidecar at http://{sidecar.address} (metrics: /metrics)", flush=True)
     else:
-        cfg["monitor"] = {"enabled": False}
+        monitor["enabled"] = False
     cfg_path = out / "demo_config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     load_config(cfg_path)  # fail here, with the key named, rather than in two ranks
@@ -101,6 +104,8 @@ def write_summary(out: Path, seconds: float) -> int:
         "alerts": train_summary.get("alerts", []),
         "steps_taken": train_summary.get("steps_taken"),
         "steps_skipped": train_summary.get("steps_skipped"),
+        "lr_scale_from_monitor": train_summary.get("lr_scale_from_monitor"),
+        "advice_fallbacks": train_summary.get("advice_fallbacks"),
         "reward_mean_first": records[0]["reward_mean"] if records else None,
         "reward_mean_last": records[-1]["reward_mean"] if records else None,
         "wall_seconds": round(seconds, 1),

@@ -6,6 +6,7 @@ Layout of ``checkpoint.dir``::
     iter_0000010/          dist_checkpointing files (model + optimizer shards, common.pt, metadata.json)
         trainer_state.json iteration, DPCC controller, data position, reward state, config, layout
         rng/rank{r}.pt     each rank's RNG states
+        rng/local{r}.pt    each rank's local trainer state (the reward model's), when given
 
 Writes are atomic: everything goes to ``.tmp_iter_*`` and is renamed once complete,
 then ``latest`` is replaced through a temporary file. Only the last ``keep_last``
@@ -101,8 +102,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, scheduler, trainer_state: dict,
-                    keep_last: int = 2) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+                    keep_last: int = 2, local_state: Optional[dict] = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint path.
+
+    ``local_state`` (this rank's, e.g. the reward state) is written inside the checkpoint before
+    the atomic rename, so a checkpoint named by ``latest`` always has it; read it back with
+    :func:`load_local_state`."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -124,6 +129,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+    if local_state is not None:
+        torch.save(local_state, tmp / "rng" / f"local{_rank()}.pt")
     _barrier()
     if _rank() == 0:
         state = dict(trainer_state)
@@ -141,6 +148,19 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def load_local_state(path: str | Path) -> dict:
+    """This rank's ``local_state`` of the checkpoint at ``path``; a missing or unreadable file is an
+    error, never a silent fresh start (the saving run wrote one for every rank)."""
+    f = Path(path) / "rng" / f"local{_rank()}.pt"
+    if not f.is_file():
+        raise CheckpointError(f"{f} is missing: the checkpoint lacks rank {_rank()}'s local state (reward model); "
+                              "it is incomplete or was written by another layout")
+    try:
+        return torch.load(f, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+        raise CheckpointError(f"{f} is unreadable: {e}") from None
 
 
 def _json_default(obj: Any):

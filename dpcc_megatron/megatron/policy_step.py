@@ -123,9 +123,20 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
     return torch.cat([o["logprobs"] for o in out]), torch.cat([o["entropy"] for o in out])
 
 
-def global_normalizer(batch: RLBatch, dp_group) -> LossNormalizer:
-    """Counts of the whole mini-batch across data-parallel ranks (SUM counts, MAX length)."""
+def global_normalizer(batch: RLBatch, dp_group, max_len: Optional[int] = None) -> LossNormalizer:
+    """Counts of the whole mini-batch across data-parallel ranks (SUM counts, MAX length).
+
+    ``max_len``: T_max of the ``token_sum_norm`` aggregation (Dr. GRPO's generation budget);
+    None takes the padded target length of the batch."""
     local = LossNormalizer.from_mask(batch.mask)
+    if max_len is not None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        longest = int(batch.mask.sum(-1).max()) if batch.mask.numel() else 0
+        if longest > max_len:
+            raise ValueError(f"a response has {longest} tokens, more than the generation budget max_len={max_len}")
+        local = LossNormalizer(num_tokens=local.num_tokens, num_seqs=local.num_seqs, num_rows=local.num_rows,
+                               max_len=int(max_len))
     sums = torch.tensor([local.num_tokens, local.num_seqs, local.num_rows], dtype=torch.float64)
     length = torch.tensor([float(local.max_len)], dtype=torch.float64)
     if torch.cuda.is_available():

@@ -5,6 +5,7 @@
     for it in ...:
         client.send({"iteration": it, "entropy": ent, "kl_old_new": kl, "kl_estimator": "k3", ...})
         advice = client.poll_control()          # ControlAdvice or None, never waits
+        # or, for advice at a deterministic point: client.wait_delivered(it, timeout=10) first
         if advice is not None and advice.action == "reduce_lr": lr_factor *= advice.factor
     client.close(timeout=5)
 
@@ -84,6 +85,8 @@ class MonitorClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pending: list[ControlAdvice] = []
+        self._delivered = threading.Condition(self._lock)
+        self._acked: tuple[int, int] = (-1, -1)  # (attempt, highest train iteration the sidecar acknowledged)
         self._latest: Optional[ControlAdvice] = None
         self._seq: Optional[int] = None
         self._closing = False
@@ -163,6 +166,19 @@ class MonitorClient:
         with self._lock:
             pending, self._pending = self._pending, []
         return ControlAdvice.merge(pending)
+
+    def wait_delivered(self, iteration: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the sidecar has acknowledged this attempt's train record of
+        ``iteration``; its advice is then in what :meth:`poll_control` returns. False on time-out
+        (sidecar down or slow) or when the client is disabled. Never raises."""
+        if not self.enabled or self._thread is None:
+            return False
+        try:
+            with self._delivered:
+                return self._delivered.wait_for(
+                    lambda: self._acked[0] == self.attempt and self._acked[1] >= iteration, timeout=max(0.0, timeout))
+        except Exception:  # noqa: BLE001 - never raise into training
+            return False
 
     @property
     def latest_advice(self) -> Optional[ControlAdvice]:
@@ -372,6 +388,23 @@ class MonitorClient:
         elif status == 401:
             self._auth_failed()
 
+    def _mark_delivered(self, chunk: list[bytes]) -> None:
+        """Record the highest train iteration of this attempt in an acknowledged chunk (its
+        advice was taken first, so a waiter that wakes up finds it pending)."""
+        best = -1
+        for line in chunk:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "train" and rec.get("attempt") == self.attempt and isinstance(rec.get("iteration"), int):
+                best = max(best, rec["iteration"])
+        if best >= 0:
+            with self._delivered:
+                if self._acked[0] != self.attempt or best > self._acked[1]:
+                    self._acked = (self.attempt, best)
+                self._delivered.notify_all()
+
     def _auth_failed(self) -> None:
         self._inc("auth_errors")
         if self._stats["auth_errors"] == 1:
@@ -412,6 +445,7 @@ class MonitorClient:
                 if resend:
                     self._stats["resent"] += accepted + dup
             self._take_advice(resp)
+            self._mark_delivered(chunk)
             self._next_control = time.monotonic() + self._control_interval
             return True
         if status in (400, 413) and len(chunk) > 1:  # isolate the offending record(s)

@@ -37,8 +37,9 @@ RECORD_FIELDS: dict[str, str] = {
     "clip_frac": "fraction of tokens whose ratio was clipped",
     "sample_utilization": "fraction of samples that contributed gradient",
     "zero_var_frac": "fraction of GRPO groups with zero reward variance",
-    "steps_taken": "optimizer steps taken this iteration",
-    "steps_skipped": "optimizer steps skipped (non-finite grads) this iteration",
+    "steps_taken": "optimizer steps applied so far in the run (cumulative)",
+    "steps_skipped": "optimizer steps skipped so far in the run (non-finite logits or grads, fp16 overflow; cumulative)",
+    "steps_nonfinite": "steps of this iteration whose logits were non-finite (their metrics are left out of the record)",
 }
 
 ENVELOPE_KEYS = ("run_id", "attempt", "kind", "time")

@@ -43,7 +43,8 @@ class RunContext:
     consumed_samples: int = 0
     resumed_state: dict = field(default_factory=dict)
     counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0,
-                                                    "rollbacks": 0, "fp16_overflows": 0})
+                                                    "rollbacks": 0, "fp16_overflows": 0,
+                                                    "advice_fallbacks": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
 
@@ -98,14 +99,13 @@ class RunContext:
                  "detector": self.detector.state_dict() if self.detector is not None else None}
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
-                               state, keep_last=self.cfg.checkpoint.keep_last)
-        torch.save(local, path / "rng" / f"local{self.rank}.pt")
+                               state, keep_last=self.cfg.checkpoint.keep_last, local_state=local)
         if self.rank == 0:
             print(f"[dpcc] saved checkpoint {path}", flush=True)
 
     def resume(self, controller) -> int:
         """Load the latest checkpoint of checkpoint.dir per checkpoint.resume; returns the start iteration."""
-        from ..megatron.checkpoint import load_checkpoint, latest_checkpoint
+        from ..megatron.checkpoint import CheckpointError, load_checkpoint, load_local_state, latest_checkpoint
         from .trainer_totals import total_optimizer_steps
 
         ck = self.cfg.checkpoint
@@ -124,11 +124,11 @@ class RunContext:
         self.counters.update(state["counters"])
         if self.detector is not None and state.get("detector"):
             self.detector.load_state_dict(state["detector"])
-        local = path / "rng" / f"local{self.rank}.pt"
-        if local.is_file() and self.mp_rank == 0:
-            saved = torch.load(local, weights_only=False)
-            if saved.get("reward") is not None:
-                self.reward.load_state_dict(saved["reward"])
+        saved = load_local_state(path)
+        if self.mp_rank == 0:
+            if saved.get("reward") is None:
+                raise CheckpointError(f"{path}: rank {self.rank} holds the reward model but its saved state is empty")
+            self.reward.load_state_dict(saved["reward"])
         self.resumed_state = state
         if self.rank == 0:
             print(f"[dpcc] resumed from {path} at iteration {state['iteration']}", flush=True)
@@ -161,6 +161,9 @@ class RunContext:
 
         Advice comes from the sidecar when one is configured, else from the local detector
         through the same alert -> advice policy, so control works without a sidecar too.
+        With a sidecar, rank 0 waits (up to ``monitor.advice_wait_s``) until the sidecar has
+        acknowledged this record, so the advice about iteration i is applied before iteration
+        i+1 whatever the timing; on time-out the local detector's advice is used (logged, counted).
         Every rank gets the same ``(action, factor, to_iteration)`` back, or None.
         """
         advice = None
@@ -177,11 +180,17 @@ class RunContext:
                     decided = ControlPolicy(self.cfg.monitor).decide(alert, self.detector.last_healthy_iteration)
                     if decided is not None:
                         local.append(decided)
+            got = ControlAdvice.merge(local) if local else None
             if self.monitor is not None:
                 self.monitor.send(record)
-                got = self.monitor.poll_control()
-            else:
-                got = ControlAdvice.merge(local) if local else None
+                wait = self.cfg.monitor.advice_wait_s
+                if wait <= 0 or self.monitor.wait_delivered(record["iteration"], wait):
+                    got = self.monitor.poll_control()
+                else:  # deterministic fallback: this iteration's advice comes from the local detector
+                    self.counters["advice_fallbacks"] += 1
+                    print(f"[dpcc] monitor sidecar did not acknowledge iteration {record['iteration']} within "
+                          f"{wait:g} s (monitor.advice_wait_s); using the local detector's advice for it "
+                          f"(fallback {self.counters['advice_fallbacks']})", flush=True)
             if got is not None and got.action != "none" and self.cfg.monitor.control_enabled:
                 advice = (got.action, float(got.factor), got.to_iteration)
                 print(f"[dpcc] control advice: {got.action} ({got.reason})", flush=True)

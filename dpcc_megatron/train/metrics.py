@@ -54,7 +54,9 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
 
     cfg = ctx.cfg
     taken = [s for s in steps if not s.skipped]
-    merged = combine_metrics([{k: v for k, v in s.metrics.items()} for s in steps], EXTRA_REDUCTIONS) if steps else {}
+    # A step with non-finite logits has garbage metrics (a KL of up to ~1e8): leave it out.
+    usable = [s for s in steps if not s.nonfinite_logits]
+    merged = combine_metrics([dict(s.metrics) for s in usable], EXTRA_REDUCTIONS) if usable else {}
     est = cfg.loss.dpcc.kl_estimator
     rec = {
         "iteration": iteration,
@@ -67,7 +69,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "clip_frac": _f(merged.get("clip_frac_low", 0.0) + merged.get("clip_frac_high", 0.0)),
         "ratio_max": _f(merged.get("ratio_max", float("nan"))),
         "sample_utilization": sample_utilization(merged),
-        "pg_loss": _f(merged["pg_loss"] / max(len(steps), 1)) if "pg_loss" in merged else None,
+        "pg_loss": _f(merged["pg_loss"] / max(len(usable), 1)) if "pg_loss" in merged else None,
         "tau": _f(merged.get("tau", controller.tau)),
         "lr": _f(taken[-1].lr) if taken else 0.0,
         "lr_factor": _f(steps[-1].lr_factor) if steps else 1.0,
@@ -75,6 +77,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "grad_norm": _f(taken[-1].grad_norm) if taken else None,
         "steps_taken": ctx.counters["steps_taken"],
         "steps_skipped": ctx.counters["steps_skipped"],
+        "steps_nonfinite": len(steps) - len(usable),
         "update_frequency": len(taken) / max(len(steps), 1),
         "zero_var_frac": _f(adv_metrics.get("zero_variance_frac", 0.0)),
         "response_len": sum(len(r) for r in rollouts.response_ids) / max(len(rollouts.response_ids), 1),

@@ -106,14 +106,18 @@ def make_rollouts(ctx, prompts, iteration: int) -> RolloutBatch:
 class Rewards:
     total: torch.Tensor
     base: torch.Tensor
+    """Raw rule track, [n] in [0, 1]."""
     advanced: torch.Tensor
+    """Raw contrastive track, [n] in [0, 1]."""
     weights_dict: dict
     metrics: dict
     per_component: bool
+    components: Optional[torch.Tensor] = None
+    """[n, 2] base and advanced after ``reward.normalize``: per-component advantages start here."""
 
     @property
     def for_advantages(self) -> torch.Tensor:
-        return torch.stack([self.base, self.advanced], -1) if self.per_component else self.total
+        return self.components if self.per_component else self.total
 
     @property
     def weights(self) -> Optional[list]:
@@ -142,13 +146,16 @@ def score_rollouts(ctx, rollouts: RolloutBatch) -> Rewards:
                            [i // G for i in range(len(rollouts.texts))])
         res = ctx.reward.score(samples)
         ctx.reward.push_buffer(samples, res)
-        payload = (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics))
+        norm = ctx.reward.normalized_components(res)
+        components = torch.stack([norm["base"], norm["advanced"]], -1).float()
+        payload = (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics),
+                   components)
     if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
         box = [payload]
         dist.broadcast_object_list(box, src=dist.get_global_rank(ctx.mp_group, 0), group=ctx.mp_group)
         payload = box[0]
-    total, base, adv, weights, metrics = payload
-    return Rewards(total, base, adv, weights, metrics, ctx.cfg.loss.advantage_per_component)
+    total, base, adv, weights, metrics, components = payload
+    return Rewards(total, base, adv, weights, metrics, ctx.cfg.loss.advantage_per_component, components)
 
 
 def evaluate_greedy(ctx) -> float:

@@ -156,7 +156,7 @@ def train(cfg: JobConfig) -> dict:
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
                    prompts_truncated=ctx.counters["prompts_truncated"], rollbacks=ctx.counters["rollbacks"],
-                   lr_scale_from_monitor=monitor_lr_scale)
+                   advice_fallbacks=ctx.counters["advice_fallbacks"], lr_scale_from_monitor=monitor_lr_scale)
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         ctx.save(iteration, controller, summary)

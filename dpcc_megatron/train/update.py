@@ -7,6 +7,12 @@ which runs on the weights left by step j-1. So it *is* the drift after step j-1,
 it feeds step j's LR factor before step j's ``optimizer.step()``. tau_t of step j's
 loss was fixed from the observations up to j-1, because the loss is computed in that
 same forward.
+
+Counting. The LR scheduler and the controller's step counter advance together, only on
+steps the optimizer applied (as Megatron-LM's train_step does): a non-finite skip and an
+fp16 overflow skip advance neither. A step whose logits are non-finite gives no KL
+measurement: its metrics are unusable, so the controller counts it as a non-finite
+observation instead of folding a garbage KL into its average.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ class StepResult:
     lr_factor: float
     overflow: bool = False
     """An fp16 loss-scale overflow that the scaler handled (not a sign of divergence by itself)."""
+    nonfinite_logits: bool = False
+    """The forward produced non-finite logits: the step was skipped and its metrics are unusable."""
 
 
 def _at_min_scale(scaler) -> bool:
@@ -46,7 +54,7 @@ def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, 
     with scaled_lr(optimizer, factor) as scheduled:
         ok, grad_norm, _ = optimizer.step()
     lr = scheduled[0] * factor if scheduled else 0.0
-    if scheduler is not None:
+    if scheduler is not None and ok:  # a skipped (overflow) step does not move the schedule
         scheduler.step(1)
     # Megatron's fp16 optimizer reports an overflow step as not successful: skipped, and an
     # ordinary overflow unless the scale is already at its floor (then it is real divergence).
@@ -59,20 +67,26 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
                   fresh: bool = False) -> StepResult:
     """One optimizer step; ``fresh``: the iteration's first mini-batch (pi_old == current weights)."""
     zero_grads(chunks, optimizer)
-    normalizer = global_normalizer(batch, dp_group)
+    # Dr. GRPO divides by the generation budget (B * max_new_tokens), not the padded length.
+    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
     loss_cfg = controller.loss_config(cfg.loss)
     loss_fn = policy_loss_fn(loss_cfg, normalizer, cfg.precision.tis_cap)
     outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), loss_fn,
                            forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
-    kl = metrics.get(f"kl_{cfg.loss.dpcc.kl_estimator}", metrics.get("kl_k3", 0.0))
-    controller.observe(kl, fresh=fresh)
+    nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
+    # Non-finite logits make every metric of this step garbage (masked tokens get log-prob 0):
+    # the controller counts a non-finite observation and keeps its state.
+    kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
+    controller.observe(kl, fresh=fresh, advance=False)
     # Drift-aware LR is part of DPCC; baselines train at the plain schedule (plus monitor advice).
     factor = (controller.lr_factor if cfg.loss.name == "dpcc" else 1.0) * monitor_lr_scale
-    if metrics.get("nonfinite_logits", 0.0) > 0:
+    if nonfinite:
         zero_grads(chunks, optimizer)
-        return StepResult(metrics, True, float("nan"), 0.0, factor)
+        return StepResult(metrics, True, float("nan"), 0.0, factor, nonfinite_logits=True)
     skipped, grad_norm, lr, overflow = _optimizer_step(chunks, optimizer, scheduler, factor)
+    if not skipped:
+        controller.advance()
     return StepResult(metrics, skipped, grad_norm, lr, factor, overflow)
 
 

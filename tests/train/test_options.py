@@ -1,0 +1,109 @@
+"""Every option does what it says (issue 15): the settings and states that used to be silently
+ignored, overridden or poisoned, each checked where it acts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcc_megatron.config import ConfigError, JobConfig, from_dict
+from dpcc_megatron.testing import RankFailure, run_multirank
+
+from .test_train_e2e import _cfg
+
+
+# -- refused at load, with the key named ------------------------------------------------------------
+@pytest.mark.parametrize("data,message", [
+    ({"loss": {"dpcc": {"tau": 1.5}}}, "loss.dpcc.tau is set by the DPCC controller every step"),
+    ({"model": {"hidden_dropout": 0.1}}, "model.hidden_dropout must be 0 for RL"),
+    ({"model": {"attention_dropout": 0.05}}, "model.attention_dropout must be 0 for RL"),
+])
+def test_settings_that_cannot_act_are_refused(data, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict(JobConfig, data)
+    assert str(err.value).startswith(message)
+
+
+# -- reward.normalize reaches per-component advantages ----------------------------------------------
+def test_reward_normalize_acts_on_per_component_advantages():
+    from dpcc_megatron.algo import group_advantages
+    from dpcc_megatron.config import RewardConfig
+    from dpcc_megatron.rewards import DualTrackReward, Sample
+
+    samples = [Sample(prompt=f"{a}+{b}=", response=r, task="addition", answer=str(a + b), group_id=g)
+               for g, (a, b) in enumerate([(1, 2), (3, 4)]) for r in (str(a + b), "9", str(a + b) + " ", "x")]
+    adv = {}
+    for mode in ("none", "batch"):
+        reward = DualTrackReward(RewardConfig(normalize=mode))
+        res = reward.score(samples)
+        comp = reward.normalized_components(res)
+        stacked = torch.stack([comp["base"], comp["advanced"]], -1)
+        adv[mode], _ = group_advantages(stacked, 4, "dr_grpo", per_component=True,
+                                        weights=[res.weights["base"], res.weights["advanced"]])
+        reward.close()
+    # dr_grpo keeps each track's scale, so a batch z-score changes the advantages
+    assert not torch.allclose(adv["none"], adv["batch"])
+
+
+# -- end to end on one rank ----------------------------------------------------------------------------
+def _options_rank(rank, world, out, overrides, poison_step):
+    """Train with the metrics of optimizer step ``poison_step`` made non-finite (as non-finite
+    logits make them); return the summary, the scheduler's and the controller's step counts."""
+    import dpcc_megatron.train.trainer as trainer
+    import dpcc_megatron.train.update as update
+
+    seen = {}
+    real_setup, real_reduce, real_ctl = trainer.setup_run, update.reduce_step_metrics, trainer.DPCCController
+    calls = {"n": 0}
+
+    def setup(cfg):
+        seen["ctx"] = real_setup(cfg)
+        return seen["ctx"]
+
+    def reduce(outputs, dp_group, pp_group):
+        metrics = real_reduce(outputs, dp_group, pp_group)
+        if calls["n"] == poison_step:
+            metrics.update(nonfinite_logits=3.0, kl_k1=4e8, kl_k2=5e8, kl_k3=5e8)
+        calls["n"] += 1
+        return metrics
+
+    def controller(*a, **k):
+        seen["controller"] = real_ctl(*a, **k)
+        return seen["controller"]
+
+    trainer.setup_run, update.reduce_step_metrics, trainer.DPCCController = setup, reduce, controller
+    summary = trainer.train(_cfg(Path(out), **overrides))
+    ctx = seen["ctx"]
+    return summary, ctx.scheduler.num_steps, seen["controller"].step, seen["controller"].kl_ema
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_kl_k2_nonfinite_step_counters_and_reward_state(tmp_path):
+    """One run covers four items: the k2 estimator is measured and logged; a non-finite step neither
+    enters the KL average nor advances the schedules; the scheduler and the controller count the
+    same applied steps; the reward state is inside the checkpoint and its absence is refused."""
+    over = {"loss.dpcc.kl_estimator": "k2", "train.iterations": 3, "train.warmup_sft_steps": 0, "checkpoint.dir": str(tmp_path / "ck"),
+            "checkpoint.save_interval": 1, "checkpoint.keep_last": 3}
+    (summary, sched_steps, ctl_steps, kl_ema), = run_multirank(_options_rank, 1, args=(str(tmp_path), over, 3),
+                                                               timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    assert all(r["kl_estimator"] == "k2" and r["kl_old_new"] is not None for r in records)
+    assert all(r["kl_old_new"] < 1.0 for r in records)  # the poisoned 5e8 never reaches the record
+    assert summary["steps_skipped"] == 1 and summary["steps_taken"] == 5  # 3 iterations x 2 steps, one skipped
+    assert sched_steps == ctl_steps == summary["steps_taken"]
+    assert kl_ema is not None and kl_ema < 1.0 and summary["kl_last"] < 1.0
+    assert records[1]["steps_nonfinite"] == 1 and records[-1]["dpcc/nonfinite_kl"] == 1
+    # the reward state sits inside every complete checkpoint ...
+    ck = tmp_path / "ck"
+    for it in (1, 2, 3):
+        assert (ck / f"iter_{it:07d}" / "rng" / "local0.pt").is_file()
+    # ... and a checkpoint without it is refused on resume, never silently restarted
+    (ck / "iter_0000003" / "rng" / "local0.pt").unlink()
+    with pytest.raises(RankFailure, match="local state"):
+        run_multirank(_options_rank, 1, args=(str(tmp_path / "again"), {**over, "train.iterations": 4}, 99),
+                      timeout=300)
+
