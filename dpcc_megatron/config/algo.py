@@ -2,7 +2,9 @@
 
     loss:
       name: dpcc                 # grpo | dapo | dr_grpo | gspo | cispo | dpcc
-      ref_kl_coef: 0.0           # > 0 adds coef * KL(pi_theta || pi_ref) to the loss
+      ref_kl_coef: 0.0           # > 0 adds coef * KL(pi_theta || pi_ref) and builds the reference
+      ref_model_path: null       # the reference's checkpoint (default: the policy when RL starts)
+      ref_offload: false         # reference weights in host memory between uses
       advantage: grpo            # grpo (mean/std in the group) | dr_grpo (mean only)
       dpcc:
         tau0: 2.0
@@ -117,7 +119,14 @@ class LossConfig:
     log_ratio_clamp: float = 20.0
     """|log pi_theta - log pi_old| is clamped to this before exp, so no ratio is inf."""
     ref_kl_coef: float = 0.0
-    """Coefficient of the reference-policy penalty KL(pi_theta || pi_ref); 0 disables it."""
+    """Coefficient of the reference-policy penalty KL(pi_theta || pi_ref); > 0 builds a frozen reference
+    model at the policy's layout, 0 disables both."""
+    ref_model_path: Optional[str] = None
+    """Megatron checkpoint (converted or trained) of the reference policy; None: the policy's weights when
+    RL starts (after checkpoint.load and the warm-start). Needs ref_kl_coef > 0."""
+    ref_offload: bool = False
+    """Keep the reference weights in host memory between uses; they visit the GPU only for its forward.
+    Needs ref_kl_coef > 0."""
     kl_estimator: KLEstimator = "k3"
     """Estimator of the reference-policy penalty's value (logged as `ref_kl`); its gradient is the on-policy
     gradient of KL(pi_theta || pi_ref) whatever the estimator (docs/algorithm.md)."""
@@ -141,4 +150,8 @@ class LossConfig:
         check(self.cispo_eps_high > 0, "cispo_eps_high", f"must be > 0, got {self.cispo_eps_high}")
         check(0 < self.log_ratio_clamp <= 80, "log_ratio_clamp", f"must be in (0, 80], got {self.log_ratio_clamp}")
         check(self.ref_kl_coef >= 0, "ref_kl_coef", f"must be >= 0, got {self.ref_kl_coef}")
+        check(self.ref_model_path is None or self.ref_kl_coef > 0, "ref_model_path",
+              "is set but ref_kl_coef is 0, so no reference model would be built")
+        check(not self.ref_offload or self.ref_kl_coef > 0, "ref_offload",
+              "is set but ref_kl_coef is 0, so no reference model would be built")
         check(self.advantage_eps > 0, "advantage_eps", f"must be > 0, got {self.advantage_eps}")

@@ -121,7 +121,10 @@ class Workload:
     logits_chunk: int = 1024
     """Tokens per fp32 chunk of the vocab-parallel log-prob op."""
     ref_model: bool = False
-    """A reference policy is resident (loss.ref_kl_coef > 0): its weights and logits count."""
+    """A reference policy exists (loss.ref_kl_coef > 0): its weights and logits count."""
+    ref_offload: bool = False
+    """loss.ref_offload: the reference weights live in host memory between its forwards, so they are
+    not resident during the update (the planner leaves them out of the training peak)."""
     rollout_batch: int = 0
     """Sequences generated together per DP rank (KV-cache batch); 0: no rollout on this GPU."""
     rollout_len: int = 0
@@ -251,7 +254,7 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
         lin = layers_on_stage(model, layout) * model.linear_params_per_layer() / t
         terms.append(Term("fp8 weight copies", "static", 2 * lin,
                           "Transformer Engine caches an FP8 weight and its transpose per linear layer"))
-    if work.ref_model:
+    if work.ref_model and not work.ref_offload:
         terms.append(Term("reference weights", "static", params * w,
                           "reference policy (loss.ref_kl_coef > 0) resident in the training dtype"))
     if work.samples_per_dp_rank:

@@ -186,7 +186,7 @@ def _plan(cfg: Any, opts: PlanOptions, t: int, p: int, v: Optional[int], sp: boo
         recompute=recompute, params_dtype=cfg.precision.params_dtype, fp8=cfg.precision.fp8 is not None,
         flash_attention=cfg.precision.transformer_engine, attention_dropout=cfg.model.attention_dropout > 0,
         hidden_dropout=cfg.model.hidden_dropout > 0, optimizer=cfg.optim.name, logits_chunk=opts.logits_chunk,
-        ref_model=cfg.loss.ref_kl_coef > 0, rollout_batch=max(1, min(r.batch_size, samples_per_dp)),
+        ref_model=cfg.loss.ref_kl_coef > 0, ref_offload=cfg.loss.ref_offload, rollout_batch=max(1, min(r.batch_size, samples_per_dp)),
         rollout_len=seq, rollout_prompt_len=min(cfg.data.max_prompt_len, seq), samples_per_dp_rank=samples_per_dp, reserve_gib=opts.reserve_gib)
     shape = model_shape(cfg.model)
     stages = estimate(shape, layout, work)

@@ -51,7 +51,7 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
     return path
 
 
-def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
+def _sharded_state(chunks, optimizer, is_loading: bool, extra=None) -> dict:
     model_sd = {}
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
@@ -65,6 +65,8 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
         # (the older flattened-range default is refused by its torch_dist strategy).
         state["optimizer"] = optimizer.sharded_state_dict(
             flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    if extra is not None:  # e.g. the frozen reference policy (keys carry their own prefix)
+        state.update(extra.sharded_state_dict())
     return state
 
 
@@ -102,12 +104,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, scheduler, trainer_state: dict,
-                    keep_last: int = 2, local_state: Optional[dict] = None) -> Path:
+                    keep_last: int = 2, local_state: Optional[dict] = None, extra=None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
     ``local_state`` (this rank's, e.g. the reward state) is written inside the checkpoint before
     the atomic rename, so a checkpoint named by ``latest`` always has it; read it back with
-    :func:`load_local_state`."""
+    :func:`load_local_state`. ``extra`` (an object with ``sharded_state_dict()`` and
+    ``load_sharded(loaded)``, such as the reference policy) is saved in the same checkpoint."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -124,7 +127,7 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     held = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(tmp))
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False, extra=extra), str(tmp))
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
@@ -205,8 +208,8 @@ def _unshare_step_counters(optimizer) -> None:
                 st["step"] = st["step"].clone()
 
 
-def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dict) -> dict:
-    """Collective. Loads weights, optimizer, scheduler and RNG; returns the trainer state."""
+def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dict, extra=None) -> dict:
+    """Collective. Loads weights, optimizer, scheduler, RNG and ``extra``; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -217,8 +220,10 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dic
     check_compatible(state, current)
     if optimizer is not None:
         _materialise_optimizer_state(optimizer)
-    sharded = _sharded_state(chunks, optimizer, is_loading=True)
+    sharded = _sharded_state(chunks, optimizer, is_loading=True, extra=extra)
     loaded = dist_checkpointing.load(sharded, str(path))
+    if extra is not None:
+        extra.load_sharded(loaded)
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
         getattr(chunk, "module", chunk).load_state_dict(loaded[key])

@@ -103,8 +103,12 @@ def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forwa
         seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)
 
 
-def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_size: int, dp_size: int):
-    """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere)."""
+def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_size: int, dp_size: int,
+                     train_mode_after: bool = True):
+    """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere).
+
+    The chunks run in eval mode and go back to train mode after, unless ``train_mode_after``
+    is False (a frozen reference model)."""
     from megatron.core import parallel_state as ps
 
     def collect(logprobs, entropy, mb):
@@ -116,8 +120,9 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
     with torch.no_grad():
         out = run_schedule(chunks, batch.split(micro_batch_size), collect, forward_only=True,
                            vocab_size=vocab_size, dp_size=dp_size)
-    for c in chunks:
-        c.train()
+    if train_mode_after:
+        for c in chunks:
+            c.train()
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None, None
     return torch.cat([o["logprobs"] for o in out]), torch.cat([o["entropy"] for o in out])

@@ -37,6 +37,8 @@ class RunContext:
     out_dir: Path
     optimizer: object = None
     scheduler: object = None
+    reference: object = None
+    """The frozen reference policy (megatron.reference.ReferencePolicy) when loss.ref_kl_coef > 0."""
     monitor: object = None
     detector: object = None
     tb: object = None
@@ -68,6 +70,14 @@ class RunContext:
         return compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
                                 vocab_size=self.vocab_size, dp_size=self.dp)
 
+    def ref_logprobs(self, batch: RLBatch):
+        """log pi_ref of the batch (last pipeline stage; zeros elsewhere), or None without a reference."""
+        if self.reference is None:
+            return None
+        lp = self.reference.logprobs(batch, micro_batch_size=self.cfg.train.micro_batch_size,
+                                     vocab_size=self.vocab_size, dp_size=self.dp)
+        return lp if lp is not None else torch.zeros(batch.mask.shape)
+
     def sft_batch(self, step: int) -> RLBatch:
         """Gold prompt+answer pairs of the synthetic task (this DP rank's share)."""
         from .rollout import pack_sequences
@@ -95,11 +105,12 @@ class RunContext:
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
                  "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
                  "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
-                 "reward_before": summary.get("reward_before"),
+                 "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
                  "detector": self.detector.state_dict() if self.detector is not None else None}
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
-                               state, keep_last=self.cfg.checkpoint.keep_last, local_state=local)
+                               state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
+                               extra=self.reference)
         if self.rank == 0:
             print(f"[dpcc] saved checkpoint {path}", flush=True)
 
@@ -117,7 +128,8 @@ class RunContext:
             return 0
         self.build_rl_optimizer(total_optimizer_steps(self.cfg))
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current)
+        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                extra=self._reference_in(path))
         controller.load_state_dict(state["controller"])
         self.dataset.load_state_dict(state["dataset"])
         self.consumed_samples = state["consumed_samples"]
@@ -133,6 +145,22 @@ class RunContext:
         if self.rank == 0:
             print(f"[dpcc] resumed from {path} at iteration {state['iteration']}", flush=True)
         return int(state["iteration"])
+
+    def _reference_in(self, path: Path):
+        """The reference to restore from the checkpoint at ``path``: ours when it saved one. A checkpoint
+        without one (saved with ref_kl_coef 0) is refused unless loss.ref_model_path names the reference."""
+        import json as _json
+
+        if self.reference is None:
+            return None
+        if _json.loads((path / "trainer_state.json").read_text()).get("reference"):
+            return self.reference
+        if self.cfg.loss.ref_model_path:
+            return None  # the reference built from ref_model_path stays
+        from ..megatron.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{path} holds no reference model (it was saved with loss.ref_kl_coef 0); set "
+                              "loss.ref_model_path to choose the reference for this run")
 
     # -- metrics ----------------------------------------------------------------------------------
     def logprob_stats(self, batch, rollouts, old_lp, entropy) -> dict:
@@ -217,7 +245,8 @@ class RunContext:
             return None
         path = root / f"iter_{eligible[-1]:07d}"
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current)
+        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                extra=self._reference_in(path))
         controller.load_state_dict(state["controller"])
         if self.detector is not None and state.get("detector"):
             self.detector.load_state_dict(state["detector"])
@@ -288,6 +317,12 @@ def setup_run(cfg: JobConfig) -> RunContext:
 
         load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)  # noqa: E731
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
+    reference = None
+    if cfg.loss.ref_kl_coef > 0:
+        from ..megatron.reference import ReferencePolicy
+
+        reference = ReferencePolicy.build(chunks, cfg.model, cfg.parallel, cfg.precision,
+                                          path=cfg.loss.ref_model_path, offload=cfg.loss.ref_offload)
 
     rank = dist.get_rank()
     mp_group = ps.get_model_parallel_group()
@@ -297,7 +332,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
         mp_rank=dist.get_rank(mp_group), dp_group=ps.get_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
-        reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir)
+        reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 

@@ -83,6 +83,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "response_len": sum(len(r) for r in rollouts.response_ids) / max(len(rollouts.response_ids), 1),
         "seconds": seconds,
     }
+    if ctx.reference is not None:  # KL(pi_theta || pi_ref) over the iteration's updates (loss.kl_estimator)
+        rec["kl_ref"] = _f(merged.get("ref_kl", float("nan")))
     rec.update({k.replace("reward/", "reward_"): _f(v) for k, v in rewards.metrics.items()
                 if isinstance(v, (int, float))})
     rec.update(lp_stats)

@@ -78,6 +78,8 @@ def train(cfg: JobConfig) -> dict:
     start_iteration = ctx.resume(controller)
     if start_iteration == 0:
         warm_start(ctx)
+        if ctx.reference is not None and not cfg.loss.ref_model_path:
+            ctx.reference.sync_from(ctx.chunks)  # the reference is the policy as RL starts
         ctx.build_rl_optimizer(total_steps)
         summary["reward_before"] = evaluate_greedy(ctx)
     else:
@@ -96,6 +98,7 @@ def train(cfg: JobConfig) -> dict:
         batch = rollouts.to_batch(adv)
         old_lp, entropy = ctx.logprobs(batch)
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
+        batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
 
         steps, step_metrics = 0, []
