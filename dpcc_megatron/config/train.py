@@ -53,8 +53,16 @@ class RolloutConfig:
     """Top-k filter (0 disables)."""
     batch_size: int = 64
     """Sequences generated together per forward (KV cache batch)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rule-track rewards are all equal and sample more
+    prompts until the batch holds prompts_per_iteration informative groups (train/sampling.py)."""
+    dynamic_sampling_max_rounds: int = 3
+    """Most sampling rounds per iteration with dynamic_sampling; a batch still short after them is
+    filled with dropped (zero-advantage) groups, counted as ds_padded_groups."""
 
     def validate(self) -> None:
+        check(self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds",
+              f"must be >= 1, got {self.dynamic_sampling_max_rounds}")
         check(self.group_size >= 2, "group_size", f"must be >= 2 (group-relative advantages), got {self.group_size}")
         check(self.prompts_per_iteration >= 1, "prompts_per_iteration", f"must be >= 1, got {self.prompts_per_iteration}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

@@ -47,6 +47,19 @@ class RolloutBatch:
         return RLBatch(tokens=tokens, mask=mask, advantages=advantages.float(),
                        sampler_logprobs=self.sampler_logprob_matrix(mask))
 
+    def select_groups(self, groups: list[int], group_size: int) -> "RolloutBatch":
+        """The samples of the given groups (G consecutive samples each), in that order."""
+        idx = [g * group_size + j for g in groups for j in range(group_size)]
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(pick(self.prompts), pick(self.prompt_ids), pick(self.response_ids), pick(self.texts),
+                            pick(self.sampler_logprobs), pick(self.finished), self.pad_id)
+
+    @staticmethod
+    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        return RolloutBatch(*(sum((getattr(p, name) for p in parts), []) for name in
+                              ("prompts", "prompt_ids", "response_ids", "texts", "sampler_logprobs", "finished")),
+                            parts[0].pad_id)
+
     def sampler_logprob_matrix(self, mask: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(mask.shape, dtype=torch.float32)
         for i, lp in enumerate(self.sampler_logprobs):
@@ -89,13 +102,13 @@ def _unpack(out, n: int):
     return responses, logprobs, finished
 
 
-def make_rollouts(ctx, prompts, iteration: int) -> RolloutBatch:
-    """G samples for this DP rank's share of ``prompts``."""
+def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
+    """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
     G = ctx.cfg.rollout.group_size
     mine = prompts[ctx.dp_rank::ctx.dp]
     expanded = [p for p in mine for _ in range(G)]
     prompt_ids = _encode_prompts(ctx, expanded)
-    seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank
+    seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
     out = _generate(ctx, prompt_ids, greedy=False, seed=seed)
     responses, logprobs, finished = _unpack(out, len(expanded))
     texts = [ctx.tokenizer.decode(r) for r in responses]
@@ -118,6 +131,20 @@ class Rewards:
     @property
     def for_advantages(self) -> torch.Tensor:
         return self.components if self.per_component else self.total
+
+    def select_groups(self, groups: list[int], group_size: int) -> "Rewards":
+        idx = torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
+        return Rewards(self.total[idx], self.base[idx], self.advanced[idx], self.weights_dict, self.metrics,
+                       self.per_component, None if self.components is None else self.components[idx])
+
+    @staticmethod
+    def concat(parts: list["Rewards"]) -> "Rewards":
+        """Rows of every part in order; weights and reward-layer metrics of the last scoring call."""
+        last = parts[-1]
+        comps = None if last.components is None else torch.cat([p.components for p in parts])
+        return Rewards(torch.cat([p.total for p in parts]), torch.cat([p.base for p in parts]),
+                       torch.cat([p.advanced for p in parts]), last.weights_dict, last.metrics, last.per_component,
+                       comps)
 
     @property
     def weights(self) -> Optional[list]:

@@ -4,7 +4,8 @@ Every rank runs :func:`train`. One iteration:
 
 1. draw prompts (same on every rank; each data-parallel rank takes its share),
 2. sample G responses per prompt with the policy itself (TP/PP collective),
-3. score them with the dual-track reward, compute group advantages,
+3. score them with the dual-track reward (with dynamic sampling: repeat 1-3 until the batch
+   holds enough groups whose rule rewards differ), compute group advantages,
 4. recompute old-policy log-probs in the trainer (sampler log-probs kept for the mismatch metric),
 5. K inner epochs of mini-batch updates with the DPCC controller and drift-aware LR,
 6. log, send metrics to the monitor sidecar, act on its advice, checkpoint.
@@ -21,7 +22,8 @@ from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from .context import RunContext, setup_run
 from .logging import ConsoleLogger
-from .rollout import RolloutBatch, evaluate_greedy, make_rollouts, score_rollouts
+from .rollout import RolloutBatch, evaluate_greedy
+from .sampling import sample_iteration
 from .trainer_totals import total_optimizer_steps
 from .update import policy_update, sft_update
 
@@ -89,9 +91,9 @@ def train(cfg: JobConfig) -> dict:
     stop_reason = "completed"
     while iteration < cfg.train.iterations:
         t0 = time.time()
-        prompts = ctx.dataset.next_batch(cfg.rollout.prompts_per_iteration)
-        rollouts: RolloutBatch = make_rollouts(ctx, prompts, iteration)
-        rewards = score_rollouts(ctx, rollouts)
+        samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+        rollouts: RolloutBatch = samples.rollouts
+        rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
                                             cfg.loss.advantage_eps, per_component=cfg.loss.advantage_per_component,
                                             weights=rewards.weights)
@@ -120,12 +122,13 @@ def train(cfg: JobConfig) -> dict:
 
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
+        record.update(samples.metrics)
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None
         summary["alerts"] = ctx.alerts_seen()
         iteration += 1
-        ctx.consumed_samples += len(prompts) * cfg.rollout.group_size
+        ctx.consumed_samples += samples.prompts_drawn * cfg.rollout.group_size
         if action == "reduce_lr":  # a KL or high-entropy alert: cut the LR at once
             monitor_lr_scale *= advice[1]
         elif action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
