@@ -45,6 +45,14 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """The RL loop."""
 
+    def validate(self) -> None:
+        """Checks that span sections."""
+        budget = self.train.max_tokens_per_micro_batch
+        longest = self.data.max_prompt_len + self.rollout.max_new_tokens
+        check(budget == 0 or budget >= longest, "train.max_tokens_per_micro_batch",
+              f"must be 0 or hold one sequence of up to data.max_prompt_len + rollout.max_new_tokens = {longest} "
+              f"tokens, got {budget}")
+
 
 def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> JobConfig:
     """Load YAML at ``path`` (or the defaults), apply ``key.path=value`` overrides, validate."""

@@ -164,8 +164,15 @@ class TrainConfig:
     """Supervised warm-start steps on the synthetic task's gold answers before RL (demo)."""
     warmup_sft_lr: float = 3e-3
     """LR of the supervised warm-start."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one micro-batch in the RL passes (update, old and reference log-probs): rows are
+    sorted by length and packed so that rows x own-longest-row <= budget, each micro-batch padded only
+    to its own longest row; micro_batch_size then no longer applies to them. 0: micro_batch_size rows
+    per micro-batch, padded to the batch's longest row."""
 
     def validate(self) -> None:
+        check(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",
+              f"must be >= 0, got {self.max_tokens_per_micro_batch}")
         check(self.iterations >= 0, "iterations", f"must be >= 0, got {self.iterations}")
         check(self.inner_epochs >= 1, "inner_epochs", f"must be >= 1, got {self.inner_epochs}")
         check(self.mini_batch_size >= 1, "mini_batch_size", f"must be >= 1, got {self.mini_batch_size}")

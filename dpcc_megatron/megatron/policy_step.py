@@ -56,6 +56,14 @@ class RLBatch:
     def split(self, size: int) -> list["RLBatch"]:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 
+    def truncate(self, length: int) -> "RLBatch":
+        """The first ``length`` tokens of every row (per-token tensors: the first ``length - 1``)."""
+        def cut(name, t):
+            if t is None or (name == "advantages" and t.dim() == 1):
+                return t
+            return t[:, :length] if name == "tokens" else t[:, :length - 1]
+        return RLBatch(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
+
 
 # loss_fn(logprobs [n, L-1] fp32 with grad, entropy [n, L-1], batch) -> (contribution, metrics)
 LossFn = Callable[[torch.Tensor, torch.Tensor, RLBatch], tuple[torch.Tensor, dict]]
@@ -71,11 +79,13 @@ def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forwa
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron.core.utils import get_model_config
+
     n_micro = len(micro_batches)
-    seq_len = micro_batches[0].tokens.shape[1] - 1
-    mbs = micro_batches[0].tokens.shape[0]
-    if any(mb.tokens.shape != micro_batches[0].tokens.shape for mb in micro_batches):
-        raise ValueError("all micro-batches of one schedule call must have the same shape")
+    seq_len = max(mb.tokens.shape[1] for mb in micro_batches) - 1
+    mbs = max(mb.tokens.shape[0] for mb in micro_batches)
+    # Token-budget micro-batches differ in shape: the pipeline's p2p then sends shapes first.
+    variable = any(mb.tokens.shape != micro_batches[0].tokens.shape for mb in micro_batches)
     tp_group = ps.get_tensor_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     it = iter(micro_batches)
@@ -98,13 +108,29 @@ def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forwa
 
         return output, loss_func
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=it, model=list(chunks), num_microbatches=n_micro,
-        seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)
+    model_config = get_model_config(chunks[0])
+    saved = model_config.variable_seq_lengths
+    model_config.variable_seq_lengths = saved or variable
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=it, model=list(chunks), num_microbatches=n_micro,
+            seq_length=seq_len, micro_batch_size=mbs, forward_only=forward_only)
+    finally:
+        model_config.variable_seq_lengths = saved
+
+
+def micro_batches(batch: RLBatch, micro_batch_size: int, max_tokens: int = 0):
+    """-> (micro-batches, order). ``max_tokens`` 0: rows in order, ``micro_batch_size`` each, padded to
+    the batch's length (order None); > 0: token-budget micro-batches (see batching.py)."""
+    if not max_tokens:
+        return batch.split(micro_batch_size), None
+    from .batching import token_budget_micro_batches
+
+    return token_budget_micro_batches(batch, max_tokens)
 
 
 def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_size: int, dp_size: int,
-                     train_mode_after: bool = True):
+                     train_mode_after: bool = True, max_tokens: int = 0):
     """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere).
 
     The chunks run in eval mode and go back to train mode after, unless ``train_mode_after``
@@ -118,13 +144,19 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
     for c in chunks:
         c.eval()
     with torch.no_grad():
-        out = run_schedule(chunks, batch.split(micro_batch_size), collect, forward_only=True,
-                           vocab_size=vocab_size, dp_size=dp_size)
+        parts, order = micro_batches(batch, micro_batch_size, max_tokens)
+        out = run_schedule(chunks, parts, collect, forward_only=True, vocab_size=vocab_size, dp_size=dp_size)
     if train_mode_after:
         for c in chunks:
             c.train()
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None, None
+    if order is not None:  # token-budget micro-batches: rows back in place, padded to the batch's length
+        from .batching import scatter_rows
+
+        width = batch.mask.shape[1]
+        return (scatter_rows([o["logprobs"] for o in out], order, width),
+                scatter_rows([o["entropy"] for o in out], order, width))
     return torch.cat([o["logprobs"] for o in out]), torch.cat([o["entropy"] for o in out])
 
 
@@ -228,5 +260,5 @@ def reduce_step_metrics(outputs: list[dict], dp_group, pp_group) -> dict[str, fl
     return merged
 
 
-__all__ = ["RLBatch", "compute_logprobs", "global_normalizer", "policy_loss_fn", "reduce_step_metrics",
+__all__ = ["RLBatch", "compute_logprobs", "global_normalizer", "micro_batches", "policy_loss_fn", "reduce_step_metrics",
            "run_schedule", "sft_loss_fn"]

@@ -86,7 +86,8 @@ class ReferencePolicy:
                     raise RuntimeError(f"reference model does not match the policy's layout: {bad[:5]}")
 
     # -- forward -----------------------------------------------------------------------------------
-    def logprobs(self, batch, *, micro_batch_size: int, vocab_size: int, dp_size: int) -> Optional[torch.Tensor]:
+    def logprobs(self, batch, *, micro_batch_size: int, vocab_size: int, dp_size: int,
+                 max_tokens: int = 0) -> Optional[torch.Tensor]:
         """log pi_ref of ``batch``'s targets on the last pipeline stage (None elsewhere)."""
         from .policy_step import compute_logprobs
 
@@ -94,7 +95,7 @@ class ReferencePolicy:
             self._to(_device())
         try:
             lp, _ = compute_logprobs(self.chunks, batch, micro_batch_size=micro_batch_size, vocab_size=vocab_size,
-                                     dp_size=dp_size, train_mode_after=False)
+                                     dp_size=dp_size, train_mode_after=False, max_tokens=max_tokens)
         finally:
             if self.offload:
                 self._to(torch.device("cpu"))

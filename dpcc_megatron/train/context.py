@@ -68,14 +68,16 @@ class RunContext:
     # -- passes -----------------------------------------------------------------------------------
     def logprobs(self, batch: RLBatch):
         return compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
-                                vocab_size=self.vocab_size, dp_size=self.dp)
+                                vocab_size=self.vocab_size, dp_size=self.dp,
+                                max_tokens=self.cfg.train.max_tokens_per_micro_batch)
 
     def ref_logprobs(self, batch: RLBatch):
         """log pi_ref of the batch (last pipeline stage; zeros elsewhere), or None without a reference."""
         if self.reference is None:
             return None
         lp = self.reference.logprobs(batch, micro_batch_size=self.cfg.train.micro_batch_size,
-                                     vocab_size=self.vocab_size, dp_size=self.dp)
+                                     vocab_size=self.vocab_size, dp_size=self.dp,
+                                     max_tokens=self.cfg.train.max_tokens_per_micro_batch)
         return lp if lp is not None else torch.zeros(batch.mask.shape)
 
     def sft_batch(self, step: int) -> RLBatch:

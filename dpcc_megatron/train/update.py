@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from ..algo import DPCCController
 from ..config import JobConfig
 from ..megatron.optimizer import grad_scaler, grads_are_finite, scaled_lr, zero_grads
-from ..megatron.policy_step import (RLBatch, global_normalizer, policy_loss_fn, reduce_step_metrics,
-                                    run_schedule, sft_loss_fn)
+from ..megatron.policy_step import (RLBatch, global_normalizer, micro_batches, policy_loss_fn,
+                                    reduce_step_metrics, run_schedule, sft_loss_fn)
 
 
 @dataclass
@@ -71,8 +71,8 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
     loss_cfg = controller.loss_config(cfg.loss)
     loss_fn = policy_loss_fn(loss_cfg, normalizer, cfg.precision.tis_cap)
-    outputs = run_schedule(chunks, batch.split(cfg.train.micro_batch_size), loss_fn,
-                           forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
+    parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
+    outputs = run_schedule(chunks, parts, loss_fn, forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
     nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
     # Non-finite logits make every metric of this step garbage (masked tokens get log-prob 0):

@@ -41,7 +41,7 @@ def _data():
     return tokens, mask, adv, g
 
 
-def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref_grads=None):
+def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref_grads=None, budget=0):
     from megatron.core import parallel_state as ps
 
     from dpcc_megatron.algo import DPCCController
@@ -56,6 +56,7 @@ def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref
     for name in LOSSES:
         cfg = _job(tp, pp, dist_opt)
         cfg.loss.name = name
+        cfg.train.max_tokens_per_micro_batch = budget
         init_model_parallel(cfg.parallel, seed=5)
         torch.manual_seed(5)
         chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision,
@@ -125,3 +126,26 @@ def test_update_matches_single_rank(reference, tp, pp, dp, dist_opt):
                 torch.testing.assert_close(g, expected[key], atol=1e-5, rtol=1e-4,
                                            msg=lambda m: f"{name} {key}: {m}")
 
+
+
+@pytest.mark.parametrize("tp,pp,dp,dist_opt", [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, True)])
+def test_token_budget_micro_batches_match_the_padded_single_rank(reference, tp, pp, dp, dist_opt):
+    """train.max_tokens_per_micro_batch: rows sorted and packed into micro-batches of different
+    shapes (variable sequence lengths through the pipeline) give the padded path's loss and gradients."""
+    from dpcc_megatron.megatron.policy_step import RLBatch, micro_batches
+
+    tokens, mask, adv, _ = _data()
+    parts, _ = micro_batches(RLBatch(tokens=tokens, mask=mask, advantages=adv), 2, 2 * L)
+    assert len({mb.tokens.shape for mb in parts}) > 1  # the budget really gives micro-batches of several shapes
+    state, old, ref = reference
+    rows = _dp_rows if dp > 1 else _all_rows
+    ref_grads = {name: ref[name][1] for name in LOSSES}
+    results = run_multirank(_update_rank, tp * pp * dp,
+                            args=(tp, pp, dist_opt, state, old, rows, ref_grads, 2 * L), timeout=300)
+    for name in LOSSES:
+        ref_loss = ref[name][0]
+        for loss, grads, skipped, expected, _ in (r[name] for r in results):
+            assert not skipped and abs(loss - ref_loss) < 1e-5, f"{name}: loss {loss} vs {ref_loss}"
+            for key, g in grads.items():
+                torch.testing.assert_close(g, expected[key], atol=1e-5, rtol=1e-4,
+                                           msg=lambda m: f"{name} {key}: {m}")
