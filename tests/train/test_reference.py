@@ -53,7 +53,10 @@ def _ref_rank(rank, world, out, overrides):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_reference_trains_logs_kl_ref_and_survives_resume_bit_identical(tmp_path):
-    common = {**REF, "train.iterations": 4, "checkpoint.save_interval": 2, "checkpoint.keep_last": 2}
+    """Also: a dynamic-sampling run resumes exactly."""
+    # dynamic sampling rides along: its extra rounds move the prompt stream, which resume must restore
+    common = {**REF, "train.iterations": 4, "checkpoint.save_interval": 2, "checkpoint.keep_last": 2,
+              "rollout.dynamic_sampling": True}
     straight = tmp_path / "straight"
     (a,) = run_multirank(_ref_rank, 1, args=(str(straight), {**common, "checkpoint.dir": str(straight / "ck")}),
                          timeout=300)
@@ -74,7 +77,7 @@ def test_reference_trains_logs_kl_ref_and_survives_resume_bit_identical(tmp_path
     assert all(torch.equal(x, y) for x, y in zip(a["ref"], b["ref"]))  # restored bit for bit
     resumed = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     for ra, rb in zip(records[2:], resumed):
-        for k in ("kl_ref", "pg_loss", "kl_old_new"):
+        for k in ("kl_ref", "pg_loss", "kl_old_new", "ds_rounds", "reward_mean_sampled"):
             assert abs(ra[k] - rb[k]) <= 1e-6, (k, ra[k], rb[k])
 
 
