@@ -37,12 +37,14 @@ def parse_hostport(value: str) -> tuple[str, int]:
 class MonitorConfig:
     """Metrics sidecar, trainer-side client and collapse detector.
 
-    Read by: dpcc_megatron/monitor/, dpcc_megatron/train/context.py, dpcc_megatron/commands/monitor.py.
+    Read by: dpcc_megatron/monitor/, dpcc_megatron/train/context.py, dpcc_megatron/train/control.py,
+    dpcc_megatron/commands/monitor.py.
     """
 
     # --- process, transport, storage -------------------------------------------------
     enabled: bool = True
-    """Send metric records to the sidecar (the trainer never waits on it)."""
+    """Send metric records to the sidecar. Sending never blocks; the trainer waits at most
+    `advice_wait_s` per iteration for the advice, and not at all once the sidecar counts as down."""
     listen: str = "127.0.0.1:0"
     """Sidecar bind address HOST:PORT; port 0 picks a free port. Loopback by default."""
     address: Optional[str] = None
@@ -134,8 +136,10 @@ class MonitorConfig:
     """Timeout of one webhook POST."""
 
     # --- control channel --------------------------------------------------------------------
-    control_enabled: bool = True
-    """Derive control advice from alerts (otherwise the advice is always none)."""
+    control_enabled: Optional[bool] = None
+    """Derive control advice from alerts and act on it. None (default): follow `enabled`, so a run with
+    the monitor off gets no advice; true/false: on/off explicitly (true with `enabled: false` acts on the
+    rank-0 local detector's advice)."""
     advice_wait_s: float = 10.0
     """The trainer waits up to this long, after sending iteration i's record, for the sidecar to
     acknowledge it, so advice about iteration i is always applied before iteration i+1 (runs are
@@ -143,10 +147,21 @@ class MonitorConfig:
     advice for that iteration. 0 never waits (advice then lands whenever it arrives)."""
     reduce_lr_factor: float = 0.5
     """kl_drift / high_entropy advise multiplying the LR by this factor."""
+    lr_recovery_iterations: int = 20
+    """After this many consecutive iterations without new reduce_lr advice the LR scale recovers one step
+    (divided by reduce_lr_factor, at most 1); 0: cuts are permanent."""
+    sidecar_down_after: int = 3
+    """After this many consecutive unacknowledged iterations the sidecar counts as down and the local
+    detector gives the advice without waiting, until the sidecar answers again (logged both ways)."""
     rollback_on_collapse: bool = True
     """A confirmed collapse advises rolling back to the last healthy iteration."""
     pause_on_collapse: bool = True
     """A confirmed collapse without rollback (disabled or no healthy iteration) advises checkpoint_and_pause."""
+
+    @property
+    def control_active(self) -> bool:
+        """Whether control advice is derived and acted on (control_enabled, else enabled)."""
+        return self.enabled if self.control_enabled is None else self.control_enabled
 
     def validate(self) -> None:
         for name in ("listen", "address"):
@@ -168,6 +183,9 @@ class MonitorConfig:
               f"must be > 0, got {self.control_poll_interval_s}")
         check(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
         check(self.advice_wait_s >= 0, "advice_wait_s", f"must be >= 0, got {self.advice_wait_s}")
+        check(self.lr_recovery_iterations >= 0, "lr_recovery_iterations",
+              f"must be >= 0, got {self.lr_recovery_iterations}")
+        check(self.sidecar_down_after >= 1, "sidecar_down_after", f"must be >= 1, got {self.sidecar_down_after}")
         check(self.retry_max_backoff_s > 0, "retry_max_backoff_s", f"must be > 0, got {self.retry_max_backoff_s}")
         check(self.spool_max_bytes >= 0, "spool_max_bytes", f"must be >= 0, got {self.spool_max_bytes}")
         if self.entropy_band is not None:

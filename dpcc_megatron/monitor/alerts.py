@@ -129,7 +129,8 @@ class ControlPolicy:
     """Alert -> advice mapping (see the module docstring). ``cfg`` is a MonitorConfig."""
 
     def __init__(self, cfg: Any):
-        self.enabled = bool(getattr(cfg, "control_enabled", True))
+        active = getattr(cfg, "control_active", None)
+        self.enabled = bool(active if active is not None else getattr(cfg, "control_enabled", True))
         self.factor = float(getattr(cfg, "reduce_lr_factor", 0.5))
         self.rollback = bool(getattr(cfg, "rollback_on_collapse", True))
         self.pause = bool(getattr(cfg, "pause_on_collapse", True))

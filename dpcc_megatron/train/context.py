@@ -41,6 +41,8 @@ class RunContext:
     """The frozen reference policy (megatron.reference.ReferencePolicy) when loss.ref_kl_coef > 0."""
     monitor: object = None
     detector: object = None
+    sidecar_advice: object = None
+    """train.control.SidecarAdvice: sidecar vs local-detector advice (rank 0, with a sidecar)."""
     tb: object = None
     consumed_samples: int = 0
     resumed_state: dict = field(default_factory=dict)
@@ -101,13 +103,14 @@ class RunContext:
                 "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
                 "data_parallel_size": self.dp, "use_distributed_optimizer": p.use_distributed_optimizer}
 
-    def save(self, iteration: int, controller, summary: dict) -> None:
+    def save(self, iteration: int, controller, summary: dict, control=None) -> None:
         from ..megatron.checkpoint import save_checkpoint
 
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
                  "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
                  "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
                  "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
+                 "monitor_control": control.state_dict() if control is not None else None,
                  "detector": self.detector.state_dict() if self.detector is not None else None}
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
@@ -212,16 +215,14 @@ class RunContext:
                         local.append(decided)
             got = ControlAdvice.merge(local) if local else None
             if self.monitor is not None:
+                from .control import SidecarAdvice
+
+                if self.sidecar_advice is None:
+                    self.sidecar_advice = SidecarAdvice(self.cfg.monitor, log=lambda m: print(m, flush=True))
                 self.monitor.send(record)
-                wait = self.cfg.monitor.advice_wait_s
-                if wait <= 0 or self.monitor.wait_delivered(record["iteration"], wait):
-                    got = self.monitor.poll_control()
-                else:  # deterministic fallback: this iteration's advice comes from the local detector
-                    self.counters["advice_fallbacks"] += 1
-                    print(f"[dpcc] monitor sidecar did not acknowledge iteration {record['iteration']} within "
-                          f"{wait:g} s (monitor.advice_wait_s); using the local detector's advice for it "
-                          f"(fallback {self.counters['advice_fallbacks']})", flush=True)
-            if got is not None and got.action != "none" and self.cfg.monitor.control_enabled:
+                got = self.sidecar_advice.answer(self.monitor, record["iteration"], got)
+                self.counters["advice_fallbacks"] = self.sidecar_advice.fallbacks
+            if got is not None and got.action != "none" and self.cfg.monitor.control_active:
                 advice = (got.action, float(got.factor), got.to_iteration)
                 print(f"[dpcc] control advice: {got.action} ({got.reason})", flush=True)
         if dist.is_initialized() and self.world > 1:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from .context import RunContext, setup_run
+from .control import MonitorControl
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
 from .sampling import sample_iteration
@@ -73,7 +74,7 @@ def train(cfg: JobConfig) -> dict:
     log = ConsoleLogger(ctx)
     total_steps = total_optimizer_steps(cfg)
     controller = DPCCController(cfg.loss.dpcc, total_steps)
-    monitor_lr_scale = 1.0
+    control = MonitorControl(cfg.monitor)  # the LR scale the monitor's advice maintains
     consecutive_skips = 0
     summary: dict = {"alerts": []}
 
@@ -86,6 +87,7 @@ def train(cfg: JobConfig) -> dict:
         summary["reward_before"] = evaluate_greedy(ctx)
     else:
         summary["reward_before"] = ctx.resumed_state.get("reward_before")
+        control.load_state_dict(ctx.resumed_state.get("monitor_control"))
 
     iteration = start_iteration
     stop_reason = "completed"
@@ -112,7 +114,7 @@ def train(cfg: JobConfig) -> dict:
                 res = policy_update(ctx.chunks, ctx.optimizer, ctx.scheduler, controller,
                                     batch.select(order[start:start + mini]), cfg, dp_size=ctx.dp,
                                     dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size,
-                                    monitor_lr_scale=monitor_lr_scale, fresh=steps == 0)
+                                    monitor_lr_scale=control.lr_scale, fresh=steps == 0)
                 steps += 1
                 step_metrics.append(res)
                 ctx.counters["steps_skipped" if res.skipped else "steps_taken"] += 1
@@ -129,16 +131,16 @@ def train(cfg: JobConfig) -> dict:
         summary["alerts"] = ctx.alerts_seen()
         iteration += 1
         ctx.consumed_samples += samples.prompts_drawn * cfg.rollout.group_size
-        if action == "reduce_lr":  # a KL or high-entropy alert: cut the LR at once
-            monitor_lr_scale *= advice[1]
-        elif action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
+        if action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
             back = ctx.rollback_to(advice[2], controller)
             if back is not None:
                 iteration = back
-                monitor_lr_scale *= cfg.monitor.reduce_lr_factor
+                control.rolled_back()
                 consecutive_skips = 0
                 continue
             action = "checkpoint_and_pause"
+        else:  # reduce_lr (a KL or high-entropy alert) cuts the LR at once; healthy stretches recover it
+            control.apply(advice)
 
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
@@ -153,7 +155,7 @@ def train(cfg: JobConfig) -> dict:
             stop_reason, stop = f"stopped by train.exit_interval after {cfg.train.exit_interval} iterations", True
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
-            ctx.save(iteration, controller, summary)
+            ctx.save(iteration, controller, summary, control)
         if stop:
             break
 
@@ -162,10 +164,11 @@ def train(cfg: JobConfig) -> dict:
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
                    prompts_truncated=ctx.counters["prompts_truncated"], rollbacks=ctx.counters["rollbacks"],
-                   advice_fallbacks=ctx.counters["advice_fallbacks"], lr_scale_from_monitor=monitor_lr_scale)
+                   advice_fallbacks=ctx.counters["advice_fallbacks"], lr_scale_from_monitor=control.lr_scale,
+                   lr_recoveries=control.recoveries)
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
-        ctx.save(iteration, controller, summary)
+        ctx.save(iteration, controller, summary, control)
     ctx.finish(summary)
     if ctx.rank == 0:
         print(f"[dpcc] {stop_reason}: reward {summary['reward_before']} -> {summary['reward_after']}", flush=True)

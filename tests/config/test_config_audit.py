@@ -17,7 +17,6 @@ import pytest
 from dpcc_megatron.config import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-_READ_BY = re.compile(r"Read by:\s*(.+?)\.?\s*$", re.MULTILINE)
 
 
 def _sections(cls=JobConfig, seen=None) -> list[type]:
@@ -38,10 +37,18 @@ def _dataclasses_in(tp) -> list[type]:
     return [d for arg in typing.get_args(tp) for d in _dataclasses_in(arg)]
 
 
+def _reader_names(cls) -> list[str]:
+    """The paths after 'Read by:' (the docstring's last sentence, which may wrap over lines)."""
+    doc = cls.__doc__ or ""
+    assert "Read by:" in doc, f"{cls.__name__}'s docstring must name the code that reads it ('Read by: ...')"
+    text = " ".join(doc.split("Read by:", 1)[1].split()).rstrip(".")
+    names = [n.strip() for n in text.split(",")]
+    assert all(n.startswith("dpcc_megatron/") for n in names), f"{cls.__name__}: bad 'Read by' list {names}"
+    return names
+
+
 def _readers(cls) -> list[Path]:
-    m = _READ_BY.search(cls.__doc__ or "")
-    assert m, f"{cls.__name__}'s docstring must name the code that reads it ('Read by: ...')"
-    paths = [ROOT / p.strip() for p in m.group(1).split(",")]
+    paths = [ROOT / n for n in _reader_names(cls)]
     for p in paths:
         assert p.exists(), f"{cls.__name__}: 'Read by' names {p.relative_to(ROOT)}, which does not exist"
         assert "config" not in p.relative_to(ROOT).parts, f"{cls.__name__}: validation is not a reader"
@@ -60,8 +67,7 @@ def test_every_key_is_read_by_the_code_its_section_names(section):
     unread = [f.name for f in dataclasses.fields(section)
               if not _dataclasses_in(hints[f.name])  # nested sections are checked on their own
               and not re.search(rf"\.{f.name}\b|[\"']{f.name}[\"']", text)]
-    assert not unread, (f"{section.__name__}: {unread} are accepted but never read by "
-                        f"{_READ_BY.search(section.__doc__).group(1)}")
+    assert not unread, f"{section.__name__}: {unread} are accepted but never read by {_reader_names(section)}"
 
 
 def test_the_audit_catches_an_unread_key():

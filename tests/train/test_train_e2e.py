@@ -136,8 +136,9 @@ def _rollback_rank(rank, world, out, overrides):
 
 
 def test_confirmed_collapse_rolls_back_to_last_healthy_checkpoint(tmp_path):
+    # the monitor is off in these tests, so control is switched on explicitly (local detector advice)
     over = {"train.iterations": 5, "checkpoint.dir": str(tmp_path / "ck"), "checkpoint.save_interval": 2,
-            "checkpoint.keep_last": 3}
+            "checkpoint.keep_last": 3, "monitor.control_enabled": True}
     summary, = run_multirank(_rollback_rank, 1, args=(str(tmp_path), over), timeout=300)
     assert summary["rollbacks"] == 1
     assert summary["stop_reason"] == "completed" and summary["iterations"] == 5

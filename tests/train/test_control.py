@@ -1,0 +1,60 @@
+"""The trainer's side of control advice: the LR scale recovers after a healthy stretch and is
+checkpointable; a silent sidecar hands the advice to the local detector and takes it back."""
+from __future__ import annotations
+
+from dpcc_megatron.config import MonitorConfig
+from dpcc_megatron.monitor.alerts import ControlPolicy
+from dpcc_megatron.train.control import MonitorControl, SidecarAdvice
+
+
+def test_lr_scale_cuts_recovers_and_round_trips():
+    c = MonitorControl(MonitorConfig(reduce_lr_factor=0.5, lr_recovery_iterations=3))
+    c.apply(("reduce_lr", 0.5, None))
+    c.apply(("reduce_lr", 0.5, None))
+    assert c.lr_scale == 0.25
+    for _ in range(2):
+        c.apply(None)
+    assert c.lr_scale == 0.25  # not yet: 2 healthy iterations of 3
+    restored = MonitorControl(MonitorConfig(reduce_lr_factor=0.5, lr_recovery_iterations=3))
+    restored.load_state_dict(c.state_dict())
+    for ctl in (c, restored):  # a resumed run recovers at the same iteration
+        ctl.apply(None)
+        assert ctl.lr_scale == 0.5 and ctl.recoveries == 1
+    for _ in range(10):
+        c.apply(None)
+    assert c.lr_scale == 1.0  # never above 1
+    permanent = MonitorControl(MonitorConfig(lr_recovery_iterations=0))
+    permanent.apply(("reduce_lr", 0.5, None))
+    for _ in range(50):
+        permanent.apply(None)
+    assert permanent.lr_scale == 0.5
+
+
+class _Sidecar:
+    def __init__(self, answers):
+        self.answers, self.waits = list(answers), []
+
+    def wait_delivered(self, iteration, timeout):
+        self.waits.append(timeout)
+        return self.answers.pop(0)
+
+    def poll_control(self):
+        return "sidecar-advice"
+
+
+def test_a_silent_sidecar_hands_advice_to_the_local_detector_and_takes_it_back():
+    logs = []
+    s = SidecarAdvice(MonitorConfig(advice_wait_s=2.0, sidecar_down_after=2), log=logs.append)
+    side = _Sidecar([True, False, False, False, True])
+    got = [s.answer(side, i, local=f"local-{i}") for i in range(5)]
+    assert got == ["sidecar-advice", "local-1", "local-2", "local-3", "sidecar-advice"]
+    assert side.waits == [2.0, 2.0, 2.0, 0.0, 0.0]  # once down, no more waiting
+    assert s.fallbacks == 3 and not s.down
+    assert any("unresponsive" in m for m in logs) and any("answers again" in m for m in logs)
+
+
+def test_monitor_off_means_no_advice_unless_control_is_explicit():
+    assert MonitorConfig(enabled=False).control_active is False
+    assert MonitorConfig(enabled=False, control_enabled=True).control_active is True
+    assert MonitorConfig().control_active is True
+    assert ControlPolicy(MonitorConfig(enabled=False)).enabled is False
