@@ -20,6 +20,7 @@ from .utilisation import sample_utilisation, token_gradients
 # Importing the modules registers the built-in losses.
 from . import losses as _losses  # noqa: F401,E402
 from . import dpcc as _dpcc  # noqa: F401,E402
+from . import cov_losses as _cov_losses  # noqa: F401,E402
 
 __all__ = [
     "ADVANTAGE_MODES", "AGGREGATIONS", "DPCCController", "KL_ESTIMATORS", "LossNormalizer", "METRIC_REDUCTIONS",

@@ -15,7 +15,7 @@ below/above the loss's bounds), ``ratio_mean``/``ratio_min``/``ratio_max`` (toke
 pi_theta/pi_old), ``kl_k1``/``kl_k2``/``kl_k3`` (KL(pi_old || pi_theta) token means, one per estimator),
 ``utilisation`` (valid tokens with nonzero advantage whose gradient is nonzero, over
 those tokens; 1.0 when there are none), the weights ``num_tokens``, ``num_adv_tokens``
-and ``num_seqs``, ``tau`` (dpcc) and, with a reference penalty, ``ref_kl``/``ref_kl_loss``.
+and ``num_seqs``, ``tau`` (dpcc), ``cov_frac`` (clip_cov/kl_cov: share of tokens singled out) and, with a reference penalty, ``ref_kl``/``ref_kl_loss``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ METRIC_REDUCTIONS: dict[str, tuple[str, Optional[str]]] = {
     "ref_kl": ("mean", "num_tokens"),
     "utilisation": ("mean", "num_adv_tokens"),
     "tau": ("max", None),
+    "cov_frac": ("mean", "num_tokens"),
     "num_tokens": ("sum", None),
     "num_adv_tokens": ("sum", None),
     "num_seqs": ("sum", None),

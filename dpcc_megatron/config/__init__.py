@@ -47,6 +47,11 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that span sections."""
+        # TIS scales each token's advantage, which equals weighting its loss only for losses that are
+        # positively homogeneous in A; the covariance-selected losses are not.
+        check(self.precision.tis_cap is None or self.loss.name not in ("clip_cov", "kl_cov"), "precision.tis_cap",
+              f"cannot be combined with loss.name={self.loss.name!r} (its token selection and |log r| penalty "
+              "do not scale with the advantage); unset one of them")
         budget = self.train.max_tokens_per_micro_batch
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         check(budget == 0 or budget >= longest, "train.max_tokens_per_micro_batch",

@@ -1,7 +1,7 @@
 """loss section of the config tree: the policy loss, the DPCC controller, KL and advantages.
 
     loss:
-      name: dpcc                 # grpo | dapo | dr_grpo | gspo | cispo | dpcc
+      name: dpcc                 # grpo | dapo | dr_grpo | gspo | cispo | dpcc | clip_cov | kl_cov
       ref_kl_coef: 0.0           # > 0 adds coef * KL(pi_theta || pi_ref) and builds the reference
       ref_model_path: null       # the reference's checkpoint (default: the policy when RL starts)
       ref_offload: false         # reference weights in host memory between uses
@@ -24,7 +24,7 @@ from typing import Literal, Optional
 from .base import check
 
 #: Built-in policy losses of ``dpcc_megatron.algo`` (the registry is checked against this list in tests).
-POLICY_LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc")
+POLICY_LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc", "clip_cov", "kl_cov")
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
@@ -100,7 +100,7 @@ class LossConfig:
     Read by: dpcc_megatron/algo/, dpcc_megatron/train/.
     """
 
-    name: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc"] = "dpcc"
+    name: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc", "clip_cov", "kl_cov"] = "dpcc"
     """Registered policy loss."""
     clip_eps: float = 0.2
     """grpo, dr_grpo: symmetric PPO clip, ratio kept in [1 - eps, 1 + eps]."""
@@ -116,6 +116,16 @@ class LossConfig:
     """gspo: sequence ratio kept <= 1 + eps_high."""
     cispo_eps_high: float = 0.28
     """cispo: importance weight truncated at 1 + eps_high (no lower bound)."""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: share of valid tokens (at least one) whose gradient is dropped among the candidates."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: candidates have covariance above this..."""
+    clip_cov_ub: float = 5.0
+    """...and below this."""
+    kl_cov_ratio: float = 2e-4
+    """kl_cov: share of valid tokens (at least one), highest covariance first, that get the |log r| penalty."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of the |log r| penalty."""
     log_ratio_clamp: float = 20.0
     """|log pi_theta - log pi_old| is clamped to this before exp, so no ratio is inf."""
     ref_kl_coef: float = 0.0
@@ -148,6 +158,11 @@ class LossConfig:
         check(0 < self.gspo_eps_low < 1, "gspo_eps_low", f"must be in (0, 1), got {self.gspo_eps_low}")
         check(self.gspo_eps_high > 0, "gspo_eps_high", f"must be > 0, got {self.gspo_eps_high}")
         check(self.cispo_eps_high > 0, "cispo_eps_high", f"must be > 0, got {self.cispo_eps_high}")
+        check(0 < self.clip_cov_ratio <= 1, "clip_cov_ratio", f"must be in (0, 1], got {self.clip_cov_ratio}")
+        check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_ub",
+              f"must be > clip_cov_lb={self.clip_cov_lb}, got {self.clip_cov_ub}")
+        check(0 < self.kl_cov_ratio <= 1, "kl_cov_ratio", f"must be in (0, 1], got {self.kl_cov_ratio}")
+        check(self.kl_cov_coef >= 0, "kl_cov_coef", f"must be >= 0, got {self.kl_cov_coef}")
         check(0 < self.log_ratio_clamp <= 80, "log_ratio_clamp", f"must be in (0, 80], got {self.log_ratio_clamp}")
         check(self.ref_kl_coef >= 0, "ref_kl_coef", f"must be >= 0, got {self.ref_kl_coef}")
         check(self.ref_model_path is None or self.ref_kl_coef > 0, "ref_model_path",

@@ -141,3 +141,43 @@ def reference(name, lp, old, adv, mask, *, clip_eps=0.2, eps_low=0.2, eps_high=0
 def max_weight(name, *, tau=2.0, cispo_high=0.28):
     """Largest |d l_t / d log pi_t| / |A_t| of one token before aggregation."""
     return {"dpcc": tau, "cispo": 1 + cispo_high}.get(name, math.exp(CLAMP))
+
+
+def _covariances(lp, adv, mask):
+    B, T = len(mask), len(mask[0])
+    valid = [(b, t) for b in range(B) for t in range(T) if mask[b][t]]
+    mean_a = sum(_per_token_adv(adv, b, t) for b, t in valid) / len(valid)
+    mean_lp = sum(lp[b][t] for b, t in valid) / len(valid)
+    return valid, {(b, t): (_per_token_adv(adv, b, t) - mean_a) * (lp[b][t] - mean_lp) for b, t in valid}
+
+
+def clip_cov_reference(lp, old, adv, mask, clip_eps, lb, ub):
+    """Clip-Cov with every candidate dropped (clip_cov_ratio large enough that no draw is needed)."""
+    vals, grads = _zeros(mask), _zeros(mask)
+    valid, cov = _covariances(lp, adv, mask)
+    for b, t in valid:
+        a = _per_token_adv(adv, b, t)
+        r, _ = _ratio(lp[b][t], old[b][t])
+        clipped = -a * min(max(r, 1 - clip_eps), 1 + clip_eps) > -a * r
+        if not clipped and lb < cov[b, t] < ub:
+            continue  # dropped: no value, no gradient
+        vals[b][t], grads[b][t] = _ppo_token(a, lp[b][t], old[b][t], 1 - clip_eps, 1 + clip_eps, None)
+    return _aggregate(vals, grads, mask, "token_mean")
+
+
+def kl_cov_reference(lp, old, adv, mask, ratio, coef):
+    """KL-Cov: -A r on every token, + coef |log r| on the top max(1, int(n * ratio)) tokens by covariance."""
+    vals, grads = _zeros(mask), _zeros(mask)
+    valid, cov = _covariances(lp, adv, mask)
+    k = max(1, int(len(valid) * ratio))
+    top = set(sorted(valid, key=lambda bt: -cov[bt])[:k])
+    for b, t in valid:
+        a = _per_token_adv(adv, b, t)
+        r, dr = _ratio(lp[b][t], old[b][t])
+        raw = lp[b][t] - old[b][t]
+        vals[b][t], grads[b][t] = -a * r, -a * dr
+        if (b, t) in top:
+            lr = max(-CLAMP, min(CLAMP, raw))
+            vals[b][t] += coef * abs(lr)
+            grads[b][t] += coef * ((lr > 0) - (lr < 0)) * (1.0 if abs(raw) <= CLAMP else 0.0)
+    return _aggregate(vals, grads, mask, "token_mean")
