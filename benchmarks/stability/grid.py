@@ -25,8 +25,9 @@ BASE_CONFIG = _demo_with({
     # Answers are at most two digits + EOS, so 4 new tokens leave room to ramble.
     "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 4, "batch_size": 64},
     "train": {"iterations": 20, "mini_batch_size": 32, "warmup_sft_steps": 0, "seed": 1},
-    # No sidecar, so no monitor advice reaches the trainer: the detector only judges, afterwards
-    # (measures.py, with an entropy band set from the warm-started policy).
+    # No sidecar and monitor.control_enabled left at null, so no monitor advice reaches the trainer
+    # (before 12-03 the rank-0 detector's advice still acted here: the 224-run grid is confounded);
+    # the detector only judges, afterwards (measures.py, entropy band from the warm-started policy).
     "monitor": {"enabled": False},
     "checkpoint": {"resume": "never"},
 })
@@ -47,6 +48,9 @@ METHODS: dict[str, dict] = {
     "dapo": {"loss.name": "dapo", **_BASELINE},
     "gspo": {"loss.name": "gspo", **_BASELINE},
     "cispo": {"loss.name": "cispo", **_BASELINE},
+    # Entropy-collapse baselines (Cui et al. 2025), verl's defaults.
+    "clip_cov": {"loss.name": "clip_cov", **_BASELINE},
+    "kl_cov": {"loss.name": "kl_cov", **_BASELINE},
     "dpcc": {"loss.name": "dpcc"},
     "dpcc-no-adaptive-tau": {"loss.name": "dpcc", "loss.dpcc.alpha": 0.0},
     "dpcc-no-drift-lr": {"loss.name": "dpcc", "loss.dpcc.drift_lr": False},
