@@ -3,6 +3,7 @@
     dpcc-megatron monitor serve --listen 127.0.0.1:9400 --db runs/x/monitor.sqlite [--token T]
         [--tensorboard DIR] [--alerts-jsonl PATH] [--webhook URL] [--config JOB.yaml] [--ready-file F]
     dpcc-megatron monitor replay --input metrics.jsonl [--config JOB.yaml] [-o monitor.kl_threshold=0.5]
+    dpcc-megatron monitor evaluate --labelled benchmarks/monitor/labelled [--split heldout|dev|all]
     dpcc-megatron monitor report --db runs/x/monitor.sqlite --out report.png|report.html [--run-id R]
 
 The token comes from --token or $DPCC_MONITOR_TOKEN (else the config's, else a random
@@ -41,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="CONFIG.yaml", help="job config (its monitor section)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. monitor.entropy_band=[3.5,5.0] (repeatable)")
+
+    p = sub.add_parser("evaluate", help="score the collapse detector on labelled metric streams")
+    p.add_argument("--labelled", required=True, metavar="DIR", help="folder with labels.jsonl and the streams")
+    p.add_argument("--split", default="heldout", choices=["dev", "heldout", "all"],
+                   help="which labelled streams to replay (default: heldout)")
+    p.add_argument("--config", default=None, metavar="CONFIG.yaml", help="job config (its monitor section)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. monitor.kl_threshold=0.5 (repeatable)")
 
     p = sub.add_parser("report", help="plot a run from the sidecar database (PNG or HTML)")
     p.add_argument("--db", required=True, metavar="PATH", help="sidecar SQLite database")
@@ -150,6 +159,27 @@ def _replay(args) -> int:
     return 0
 
 
+def _evaluate(args) -> int:
+    from ..monitor.evaluate import LabelError, evaluate
+
+    cfg = _monitor_cfg(args.config, args.override)
+    if cfg is None:
+        return 2
+    try:
+        results, scores = evaluate(args.labelled, cfg, None if args.split == "all" else args.split)
+    except LabelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{'stream':48s} {'label':9s} {'iters':>5s} {'confirmed@':>10s} {'half@':>6s} {'lead':>5s} "
+          f"{'warn':>5s}  rules")
+    for r in results:
+        fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+        print(f"{r.name[-48:]:48s} {r.label:9s} {r.iterations:5d} {fmt(r.first_confirmed):>10s} "
+              f"{fmt(r.half_reward):>6s} {fmt(r.lead):>5s} {r.warnings:5d}  {','.join(r.rules)}")
+    print(json.dumps(scores))
+    return 0
+
+
 def _report(args) -> int:
     from ..monitor.report import render_report
     from ..monitor.store import load_run
@@ -178,4 +208,4 @@ def _report(args) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"serve": _serve, "replay": _replay, "report": _report}[args.action](args)
+    return {"serve": _serve, "replay": _replay, "evaluate": _evaluate, "report": _report}[args.action](args)

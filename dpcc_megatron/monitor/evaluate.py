@@ -1,0 +1,174 @@
+"""How good is the collapse detector? Replay labelled metric streams and score it.
+
+A labelled set is a folder with ``labels.jsonl``, one object per stream::
+
+    {"stream": "runs/grpo__lr0.002__s3.jsonl", "label": "collapse", "split": "heldout",
+     "onset": 12, "direction": "low", "source": "benchmarks/stability"}
+
+``stream`` is a metrics.jsonl file (one record per iteration, as the trainer writes it),
+relative to the folder; ``label`` is ``collapse`` or ``healthy``; ``split`` is ``dev`` or
+``heldout`` (tune on dev, report held-out); ``onset`` (collapse only) is the iteration the
+collapse began, by the labeller's definition; ``direction`` (``high``/``low``) and ``source``
+are informational.
+
+Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
+
+* **recall**: collapsed streams with a confirmed critical alert no later than the iteration
+  at which the reward first falls below half its best so far (the stream's end when it never
+  does), over all collapsed streams;
+* **precision**: those detections over all streams with a confirmed critical alert;
+* **lead**: iterations from the first confirmed critical alert to that half-reward iteration
+  (collapsed streams whose reward halves); the median is reported;
+* **healthy_critical**: confirmed critical alerts on healthy streams;
+* **warnings_per_100_healthy**: warnings (any non-confirmed alert) per 100 healthy iterations.
+
+The reward read is the rule track (``reward_base_mean``) when the stream has it, else
+``reward_mean``. Stdlib only (the sidecar side of the package never imports torch).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .detector import CollapseDetector
+from .records import RecordError, normalize_record
+
+LABELS = ("collapse", "healthy")
+SPLITS = ("dev", "heldout")
+
+
+class LabelError(ValueError):
+    """A malformed labelled set (the message names the file and line)."""
+
+
+@dataclass
+class StreamResult:
+    name: str
+    label: str
+    iterations: int
+    first_confirmed: Optional[int]
+    half_reward: Optional[int]
+    warnings: int
+    criticals: int
+    rules: list = field(default_factory=list)
+
+    @property
+    def detected(self) -> bool:
+        if self.first_confirmed is None:
+            return False
+        return self.half_reward is None or self.first_confirmed <= self.half_reward
+
+    @property
+    def lead(self) -> Optional[int]:
+        if self.first_confirmed is None or self.half_reward is None:
+            return None
+        return self.half_reward - self.first_confirmed
+
+
+def _reward(rec: dict) -> Optional[float]:
+    v = rec.get("reward_base_mean", rec.get("reward_mean"))
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def half_reward_iteration(records: list[dict]) -> Optional[int]:
+    """First iteration whose reward is below half the best reward seen before it (None: never)."""
+    best = None
+    for rec in records:
+        r = _reward(rec)
+        if r is None:
+            continue
+        if best is not None and best > 0 and r < 0.5 * best:
+            return int(rec["iteration"])
+        best = r if best is None else max(best, r)
+    return None
+
+
+def read_labels(folder: str | Path) -> list[dict]:
+    folder = Path(folder)
+    path = folder / "labels.jsonl"
+    if not path.is_file():
+        raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl)")
+    out = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise LabelError(f"{where}: invalid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise LabelError(f"{where}: each line must be an object")
+        if obj.get("label") not in LABELS:
+            raise LabelError(f"{where}: label must be one of {', '.join(LABELS)}, got {obj.get('label')!r}")
+        if obj.get("split") not in SPLITS:
+            raise LabelError(f"{where}: split must be one of {', '.join(SPLITS)}, got {obj.get('split')!r}")
+        stream = folder / str(obj.get("stream", ""))
+        if not obj.get("stream") or not stream.is_file():
+            raise LabelError(f"{where}: stream {obj.get('stream')!r} is not a file in {folder}")
+        out.append(dict(obj, path=stream))
+    if not out:
+        raise LabelError(f"{path}: no streams")
+    return out
+
+
+def read_stream(path: Path) -> list[dict]:
+    recs = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise LabelError(f"{path}:{lineno}: invalid JSON: {e}") from None
+        try:
+            rec = normalize_record(rec)
+        except RecordError as e:
+            raise LabelError(f"{path}:{lineno}: {e}") from None
+        if rec["kind"] == "train":
+            recs.append(rec)
+    return recs
+
+
+def replay(records: list[dict], cfg: Any, name: str = "", label: str = "") -> StreamResult:
+    det = CollapseDetector(cfg, run_id=name or "stream")
+    first, warnings, criticals, rules = None, 0, 0, []
+    for rec in records:
+        for alert in det.update(rec):
+            rules.append(alert.rule)
+            if alert.confirmed and alert.severity == "critical":
+                criticals += 1
+                if first is None:
+                    first = alert.iteration
+            else:
+                warnings += 1
+    return StreamResult(name, label, len(records), first, half_reward_iteration(records), warnings, criticals,
+                        sorted(set(rules)))
+
+
+def score(results: list[StreamResult]) -> dict:
+    collapsed = [r for r in results if r.label == "collapse"]
+    healthy = [r for r in results if r.label == "healthy"]
+    alarmed = [r for r in results if r.first_confirmed is not None]
+    hits = [r for r in collapsed if r.detected]
+    leads = [r.lead for r in hits if r.lead is not None]
+    healthy_iters = sum(r.iterations for r in healthy)
+    return {
+        "streams": len(results), "collapsed": len(collapsed), "healthy": len(healthy),
+        "recall": len(hits) / len(collapsed) if collapsed else None,
+        "precision": len(hits) / len(alarmed) if alarmed else None,
+        "median_lead_iterations": statistics.median(leads) if leads else None,
+        "healthy_critical": sum(r.criticals for r in healthy),
+        "warnings_per_100_healthy": 100.0 * sum(r.warnings for r in healthy) / healthy_iters if healthy_iters else None,
+    }
+
+
+def evaluate(folder: str | Path, cfg: Any, split: Optional[str] = "heldout") -> tuple[list[StreamResult], dict]:
+    labels = [x for x in read_labels(folder) if split is None or x["split"] == split]
+    if not labels:
+        raise LabelError(f"{folder}: no streams in split {split!r}")
+    results = [replay(read_stream(x["path"]), cfg, str(x["stream"]), x["label"]) for x in labels]
+    return results, score(results)

@@ -1,0 +1,90 @@
+"""`monitor evaluate`: the detector scored on labelled streams (synthetic, with known outcomes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dpcc_megatron.config import MonitorConfig
+from dpcc_megatron.monitor.evaluate import LabelError, evaluate, half_reward_iteration, score, StreamResult
+
+
+def _healthy(n=30):
+    # learning: reward rises, entropy falls gently, KL small
+    return [{"iteration": i, "reward_mean": 0.3 + 0.02 * i, "reward_std": 0.3, "entropy": 2.0 - 0.01 * i,
+             "kl_old_new": 0.01, "grad_norm": 1.0} for i in range(n)]
+
+
+def _entropy_collapse(n=30, start=10):
+    # entropy leaves the band upward from `start` (high-entropy collapse); reward halves 6 iterations later
+    out = []
+    for i in range(n):
+        bad = i >= start
+        out.append({"iteration": i, "reward_mean": 0.6 if i < start + 6 else 0.1, "reward_std": 0.3,
+                    "entropy": 5.0 if bad else 2.0, "kl_old_new": 0.01, "grad_norm": 1.0})
+    return out
+
+
+def _write(tmp_path, streams):
+    labels = []
+    for name, (records, label, split) in streams.items():
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        labels.append({"stream": f"{name}.jsonl", "label": label, "split": split})
+    (tmp_path / "labels.jsonl").write_text("\n".join(json.dumps(x) for x in labels) + "\n")
+    return tmp_path
+
+
+def test_half_reward_iteration():
+    assert half_reward_iteration(_entropy_collapse()) == 16
+    assert half_reward_iteration(_healthy()) is None
+
+
+def test_scores_a_detected_collapse_and_a_quiet_healthy_run(tmp_path):
+    folder = _write(tmp_path, {"c1": (_entropy_collapse(), "collapse", "heldout"), "h1": (_healthy(), "healthy", "heldout"),
+                               "dev": (_entropy_collapse(start=3), "collapse", "dev")})
+    cfg = MonitorConfig(entropy_band=(1.5, 2.5), collapse_confirm_steps=3)
+    results, s = evaluate(folder, cfg)
+    assert [r.name for r in results] == ["c1.jsonl", "h1.jsonl"]  # held-out only
+    c1 = results[0]
+    assert c1.first_confirmed is not None and c1.first_confirmed <= 16 and c1.detected and c1.lead >= 1
+    assert s["recall"] == 1.0 and s["precision"] == 1.0 and s["healthy_critical"] == 0
+    assert s["median_lead_iterations"] == c1.lead
+    # a detector whose band is too wide to see it misses it
+    _, blind = evaluate(folder, MonitorConfig(entropy_band=(0.5, 9.0), entropy_jump=100.0))
+    assert blind["recall"] == 0.0
+
+
+def test_score_counts_false_alarms_and_warnings():
+    res = [StreamResult("a", "collapse", 20, 5, 10, 0, 1), StreamResult("b", "collapse", 20, None, 8, 2, 0),
+           StreamResult("c", "healthy", 50, 7, None, 1, 2), StreamResult("d", "healthy", 50, None, None, 3, 0)]
+    s = score(res)
+    assert s["recall"] == 0.5 and s["precision"] == 0.5 and s["healthy_critical"] == 2
+    assert s["warnings_per_100_healthy"] == pytest.approx(4.0) and s["median_lead_iterations"] == 5
+
+
+def test_late_alarm_does_not_count_as_detection():
+    late = StreamResult("x", "collapse", 30, 20, 16, 0, 1)
+    assert not late.detected and late.lead == -4
+
+
+def test_bad_labels_name_the_file_and_line(tmp_path):
+    (tmp_path / "labels.jsonl").write_text('{"stream": "nope.jsonl", "label": "collapse", "split": "dev"}\n')
+    with pytest.raises(LabelError, match=r"labels.jsonl:1: stream 'nope.jsonl' is not a file"):
+        evaluate(tmp_path, MonitorConfig(), None)
+    (tmp_path / "labels.jsonl").write_text('{"stream": "x", "label": "broken", "split": "dev"}\n')
+    with pytest.raises(LabelError, match="label must be one of"):
+        evaluate(tmp_path, MonitorConfig(), None)
+
+
+def test_cli_prints_the_table_and_one_json_line(tmp_path):
+    folder = _write(tmp_path, {"c1": (_entropy_collapse(), "collapse", "heldout"), "h1": (_healthy(), "healthy", "heldout")})
+    out = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"recall", "healthy_critical", "warnings_per_100_healthy", "median_lead_iterations"} <= set(last)
+    bad = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled",
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "labels.jsonl" in bad.stderr
