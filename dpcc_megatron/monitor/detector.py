@@ -11,6 +11,11 @@ Rules (names are stable; see docs/monitor.md for defaults):
   fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
   (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named.
+
+When a record carries the rule track's reward statistics (``reward_base_mean``,
+``reward_base_std``, ``zero_var_frac_base``) or the iteration's largest per-step KL
+(``kl_step_max``), the rules read those in place of ``reward_mean``, ``reward_std``,
+``zero_var_frac`` and ``kl_old_new`` (:func:`judged_view`).
 - ``non_finite``    any numeric field NaN/Inf (critical).
 - ``grad_spike``    ``grad_norm > grad_spike_factor x median`` of the previous
   ``grad_spike_window`` steps (warning).
@@ -37,6 +42,22 @@ from .alerts import RULES, Alert
 from .records import ENVELOPE_KEYS, is_finite
 
 _SEV_RANK = {"info": 0, "warning": 1, "critical": 2}
+
+#: Fields a record may carry that the rules read in place of the plain ones: the rule (base)
+#: track's reward statistics, so contrastive tie-breakers cannot hide a lost learning signal,
+#: and the largest per-step KL of the iteration, so the ~0 KL of each iteration's fresh first
+#: step does not dilute the drift.
+JUDGED_FIELDS = {"reward_mean": "reward_base_mean", "reward_std": "reward_base_std",
+                 "zero_var_frac": "zero_var_frac_base", "kl_old_new": "kl_step_max"}
+
+
+def judged_view(record: Mapping) -> dict:
+    """The record as the rules read it (see :data:`JUDGED_FIELDS`)."""
+    view = dict(record)
+    for plain, better in JUDGED_FIELDS.items():
+        if is_finite(record.get(better)):
+            view[plain] = record[better]
+    return view
 _TRACKED = ("entropy", "kl_old_new", "kl_ref", "mismatch_kl", "repetition_rate", "longest_repeat",
             "grad_norm", "reward_std", "zero_var_frac")
 
@@ -160,6 +181,7 @@ class CollapseDetector:
                     self.last_healthy_iteration = min(self.last_healthy_iteration, it - 1)
         self.last_iteration = it
         self.records_seen += 1
+        record = judged_view(record)
         est = record.get("kl_estimator")
         if isinstance(est, str) and est:
             self.kl_estimator = est

@@ -85,6 +85,13 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     }
     if ctx.reference is not None:  # KL(pi_theta || pi_ref) over the iteration's updates (loss.kl_estimator)
         rec["kl_ref"] = _f(merged.get("ref_kl", float("nan")))
+    # What the detector judges on: the rule track (no contrastive tie-breakers) and each step's own KL.
+    G = cfg.rollout.group_size
+    base_groups = rewards.base.view(-1, G)
+    rec["reward_base_std"] = _f(rewards.base.std(correction=0))
+    rec["zero_var_frac_base"] = _f((base_groups.amax(-1) == base_groups.amin(-1)).float().mean())
+    step_kls = [s.metrics[f"kl_{est}"] for s in usable if f"kl_{est}" in s.metrics]
+    rec["kl_step_max"] = _f(max(step_kls)) if step_kls else None
     rec.update({k.replace("reward/", "reward_"): _f(v) for k, v in rewards.metrics.items()
                 if isinstance(v, (int, float))})
     rec.update(lp_stats)

@@ -228,3 +228,24 @@ def test_rewind_to_new_attempt_resets_windows_and_ignores_stale():
     assert det.update({"iteration": 1, "kl_old_new": 0.9, "attempt": 2}) == []
     assert det.update({"iteration": 2, "kl_old_new": 0.9, "attempt": 2}) == []
     assert rules(det.update({"iteration": 3, "kl_old_new": 0.9, "attempt": 2})) == [("kl_drift", 3)]
+
+
+def test_rules_judge_the_rule_track_and_each_steps_own_kl():
+    """Contrastive tie-breakers keep reward_std up while the rule track has no spread left; the
+    iteration-mean KL is diluted by the fresh first step while one step's KL is far over."""
+    from dpcc_megatron.monitor.detector import judged_view
+
+    cfg = MonitorConfig(reward_collapse_patience=3, kl_threshold=0.5, kl_window=2)
+    det = CollapseDetector(cfg)
+    alerts = []
+    for i in range(6):
+        alerts += det.update({"iteration": i, "reward_mean": 0.5, "reward_std": 0.2, "zero_var_frac": 0.1,
+                              "reward_base_mean": 0.0, "reward_base_std": 0.0, "zero_var_frac_base": 1.0,
+                              "kl_old_new": 0.3, "kl_step_max": 0.6, "entropy": 2.0})
+    rules = {a.rule for a in alerts}
+    assert "reward_collapse" in rules and "kl_drift" in rules
+    plain = CollapseDetector(cfg)
+    quiet = [a for i in range(6) for a in plain.update({"iteration": i, "reward_mean": 0.5, "reward_std": 0.2,
+                                                         "zero_var_frac": 0.1, "kl_old_new": 0.3, "entropy": 2.0})]
+    assert not quiet  # the same run without the rule-track fields looks healthy
+    assert judged_view({"reward_std": 0.2, "reward_base_std": float("nan")})["reward_std"] == 0.2
