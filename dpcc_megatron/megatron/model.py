@@ -82,7 +82,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         cfg.batch_p2p_comm = False
     # Set after construction: the constructor's MoE check rejects it for dense models,
     # but the pipeline schedule needs it to exchange shapes when lengths vary per batch.
-    cfg.variable_seq_lengths = True
+    # Not under interleaving: the shape exchange always uses batched p2p, which pairs the
+    # messages wrongly there and, at the warm-up/steady-state boundary, deadlocks under gloo.
+    # It is not needed anyway: every micro-batch of one schedule call has the call's seq_length.
+    cfg.variable_seq_lengths = not parallel.virtual_pipeline_model_parallel_size
     return cfg
 
 
