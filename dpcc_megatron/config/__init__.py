@@ -53,6 +53,9 @@ class JobConfig:
               f"cannot be combined with loss.name={self.loss.name!r} (its token selection and |log r| penalty "
               "do not scale with the advantage); unset one of them")
         budget = self.train.max_tokens_per_micro_batch
+        check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
+              "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "
+              "micro-batches of one shape")
         longest = self.data.max_prompt_len + self.rollout.max_new_tokens
         check(budget == 0 or budget >= longest, "train.max_tokens_per_micro_batch",
               f"must be 0 or hold one sequence of up to data.max_prompt_len + rollout.max_new_tokens = {longest} "

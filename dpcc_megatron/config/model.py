@@ -113,6 +113,8 @@ class ParallelConfig:
         if self.virtual_pipeline_model_parallel_size is not None:
             check(self.virtual_pipeline_model_parallel_size >= 1, "virtual_pipeline_model_parallel_size",
                   f"must be >= 1, got {self.virtual_pipeline_model_parallel_size}")
+            check(self.pipeline_model_parallel_size > 1, "virtual_pipeline_model_parallel_size",
+                  "needs pipeline_model_parallel_size > 1 (or null)")
         check(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
               "needs tensor_model_parallel_size > 1")
         check(self.recompute_num_layers >= 1, "recompute_num_layers", f"must be >= 1, got {self.recompute_num_layers}")

@@ -146,6 +146,11 @@ def layout_problems(cfg: Any, layout: Layout, gpus: int, micro: int) -> list[str
         if tr.mini_batch_size % (d * micro):
             out.append(f"train.mini_batch_size={tr.mini_batch_size} is not a multiple of data-parallel size "
                        f"{d} x micro-batch {micro}")
+        elif v is not None and (tr.mini_batch_size // (d * micro)) % p:
+            out.append(f"virtual_pipeline_model_parallel_size={v}: the interleaved schedule needs the "
+                       f"micro-batches per step, train.mini_batch_size / (DP {d} x train.micro_batch_size "
+                       f"{micro}) = {tr.mini_batch_size // (d * micro)}, to be a multiple of "
+                       f"pipeline_model_parallel_size={p}")
     return out
 
 

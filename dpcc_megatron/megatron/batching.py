@@ -67,14 +67,17 @@ def token_budget_micro_batches(batch: "RLBatch", max_tokens: int, multiple_of: i
     return parts, order
 
 
-def scatter_rows(parts: list[torch.Tensor], order: torch.Tensor, width: int) -> torch.Tensor:
+def scatter_rows(parts: list[torch.Tensor], order: torch.Tensor, width: int, cut: bool = False) -> torch.Tensor:
     """Inverse of the packing for per-token outputs: [n_mb, L_mb - 1] pieces -> [N, width] in the
-    original row order, zero-padded on the right."""
+    original row order, zero-padded on the right (``cut``: pieces longer than ``width``, e.g. with
+    sequence-parallel padding, are cut to it)."""
     n = int(order.numel())
     ref = parts[0]
     out = torch.zeros((n, width), dtype=ref.dtype, device=ref.device)
     start = 0
     for p in parts:
+        if cut:
+            p = p[:, :width]
         rows = order[start:start + p.shape[0]].to(ref.device)
         out[rows, :p.shape[1]] = p
         start += p.shape[0]

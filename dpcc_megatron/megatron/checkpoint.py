@@ -58,13 +58,13 @@ def _sharded_state(chunks, optimizer, is_loading: bool, extra=None) -> dict:
         model_sd[key] = getattr(chunk, "module", chunk).sharded_state_dict()
     state = dict(model_sd)
     if optimizer is not None:
-        flat = {}
-        for v in model_sd.values():
-            flat.update(v)
+        # The optimizer finds each parameter's sharded tensor by identity anywhere in this nested
+        # dict (as Megatron's own checkpointing passes model0, model1, ...); merging the chunks into
+        # one dict would drop all but the last chunk's entries, whose local names collide.
         # dp_reshardable: the distributed optimizer's format that current megatron-core saves
         # (the older flattened-range default is refused by its torch_dist strategy).
         state["optimizer"] = optimizer.sharded_state_dict(
-            flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     if extra is not None:  # e.g. the frozen reference policy (keys carry their own prefix)
         state.update(extra.sharded_state_dict())
     return state

@@ -72,13 +72,26 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         recompute_num_layers=parallel.recompute_num_layers if parallel.recompute_granularity == "full" else None,
         **fp8_transformer_fields(precision),
     )
+    if parallel.virtual_pipeline_model_parallel_size:
+        # Interleaved 1F1B sends activations and gradients both ways between the same two ranks
+        # (at PP=2 the previous and next stage are one rank). Batched p2p posts them as
+        # send_prev, recv_prev, send_next, recv_next on every rank, so rank A's first send to B
+        # (a gradient) meets B's first receive from A (an activation): the tensors swap (measured
+        # under gloo: micro-batches 3-4 of 4 gave losses off by 2e-3). Individual isend/irecv use
+        # Megatron's even/odd ordering, which pairs them correctly.
+        cfg.batch_p2p_comm = False
     # Set after construction: the constructor's MoE check rejects it for dense models,
     # but the pipeline schedule needs it to exchange shapes when lengths vary per batch.
-    cfg.variable_seq_lengths = True
+    # Not under interleaving: the shape exchange always uses batched p2p, which pairs the
+    # messages wrongly there and, at the warm-up/steady-state boundary, deadlocks under gloo.
+    # It is not needed anyway: every micro-batch of one schedule call has the call's seq_length.
+    cfg.variable_seq_lengths = not parallel.virtual_pipeline_model_parallel_size
     return cfg
 
 
-def layer_spec(model: ModelConfig, precision: PrecisionConfig):
+def layer_spec(model: ModelConfig, precision: PrecisionConfig, config=None, vp_stage: Optional[int] = None):
+    """The layer spec; with ``config.sequence_parallel`` on the local spec, torch norms are swapped
+    for :class:`~dpcc_megatron.megatron.norms.SequenceParallelTorchNorm` (Megatron's own refuses SP)."""
     if precision.transformer_engine:
         try:
             import transformer_engine  # noqa: F401
@@ -88,7 +101,22 @@ def layer_spec(model: ModelConfig, precision: PrecisionConfig):
         return te_layer_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization=model.normalization)
+    spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    if config is not None and config.sequence_parallel:
+        from .norms import sequence_parallel_local_spec, uses_torch_norm
+
+        if uses_torch_norm(spec):
+            return sequence_parallel_local_spec(spec, config, vp_stage)
+    return spec
+
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Optional[PrecisionConfig] = None,
@@ -119,9 +147,15 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         kwargs.update(rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
     if float(model.rotary_base) != int(model.rotary_base):
         raise ValueError(f"model.rotary_base must be a whole number for Megatron-Core, got {model.rotary_base}")
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+        if not _accepts(GPTModel.__init__, "vp_stage"):  # pragma: no cover - megatron-core < 0.13
+            raise RuntimeError("parallel.virtual_pipeline_model_parallel_size needs a megatron-core whose "
+                               "GPTModel accepts vp_stage (>= 0.13)")
+    tcfg = transformer_config(model, parallel, precision)
     gpt = GPTModel(
-        config=transformer_config(model, parallel, precision),
-        transformer_layer_spec=layer_spec(model, precision),
+        config=tcfg,
+        transformer_layer_spec=layer_spec(model, precision, tcfg, vp_stage),
         vocab_size=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp),
         max_sequence_length=model.max_seq_len,
         pre_process=pre_process,
@@ -130,7 +164,6 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         share_embeddings_and_output_weights=model.tie_embeddings,
         position_embedding_type=model.position_embedding_type,
         rotary_base=int(model.rotary_base),
-        vp_stage=vp_stage,
         **kwargs,
     )
     if torch.cuda.is_available():

@@ -120,16 +120,24 @@ def zero_grads(chunks, optimizer) -> None:
 
 def build_training_model(model_cfg, parallel: ParallelConfig, precision: PrecisionConfig, load_fn=None):
     """Model chunk(s) of this rank, optionally filled by ``load_fn(chunks)``, wrapped in Megatron DDP
-    with the schedule hooks set (gradient finalisation across DP, tied embeddings across PP)."""
+    with the schedule hooks set (gradient finalisation across DP, tied embeddings across PP).
+
+    With ``parallel.virtual_pipeline_model_parallel_size`` = v, one chunk per virtual stage
+    (``vp_stage`` 0..v-1): chunk i holds layers ``(i * pp + pp_rank) * n .. + n`` with
+    n = num_layers / (pp * v), as Megatron's interleaved schedule expects."""
     from megatron.core.distributed import finalize_model_grads
 
     from .model import build_gpt_model
 
-    chunks = [build_gpt_model(model_cfg, parallel, precision)]
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    stages = list(range(vpp)) if vpp else [None]
+    chunks = [build_gpt_model(model_cfg, parallel, precision, vp_stage=v) for v in stages]
     if load_fn is not None:
         load_fn(chunks)
-    tcfg = chunks[0].config
-    chunks = wrap_ddp(chunks, tcfg, parallel)
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    tcfg.no_sync_func = chunks[0].no_sync
+    chunks = wrap_ddp(chunks, chunks[0].config, parallel)
+    no_sync = [c.no_sync for c in chunks]
+    for chunk in chunks:  # the schedules read model[0]'s config; keep every chunk's consistent
+        tcfg = chunk.config
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     return chunks

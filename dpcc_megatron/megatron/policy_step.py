@@ -17,6 +17,7 @@ aligned with the *targets* ``tokens[:, 1:]``: position t scores token t+1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -64,6 +65,43 @@ class RLBatch:
             return t[:, :length] if name == "tokens" else t[:, :length - 1]
         return RLBatch(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
 
+    def pad_targets(self, num_targets: int, pad_id: int = 0) -> "RLBatch":
+        """Right-pad to ``num_targets`` target positions (tokens to ``num_targets + 1``). The new
+        positions are masked out (mask False, log-probs 0), so no loss or metric sees them, and
+        the model is causal, so the real positions' outputs do not change."""
+        T = self.tokens.shape[1] - 1
+        if num_targets == T:
+            return self
+        if num_targets < T:
+            raise ValueError(f"cannot pad {T} target positions down to {num_targets}")
+        extra = num_targets - T
+
+        def pad(t: Optional[torch.Tensor], value) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            filler = torch.full((t.shape[0], extra) + tuple(t.shape[2:]), value, dtype=t.dtype, device=t.device)
+            return torch.cat([t, filler], dim=1)
+
+        per_token = lambda t: t is not None and t.dim() >= 2 and t.shape[1] == T  # noqa: E731
+        return RLBatch(tokens=pad(self.tokens, pad_id), mask=pad(self.mask, False),
+                       old_logprobs=pad(self.old_logprobs, 0.0), ref_logprobs=pad(self.ref_logprobs, 0.0),
+                       sampler_logprobs=pad(self.sampler_logprobs, 0.0),
+                       advantages=pad(self.advantages, 0.0) if per_token(self.advantages) else self.advantages)
+
+
+def sequence_multiple(tp: int, sequence_parallel: bool, fp8: bool) -> int:
+    """What the sequence length through the model must be a multiple of: TP under sequence
+    parallelism (activations are reduce-scattered along the sequence), 16 with FP8 (TE's GEMM
+    dimension rule), both when both are on."""
+    m = tp if (sequence_parallel and tp > 1) else 1
+    if fp8:
+        m = math.lcm(m, 16)
+    return m
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
 
 # loss_fn(logprobs [n, L-1] fp32 with grad, entropy [n, L-1], batch) -> (contribution, metrics)
 LossFn = Callable[[torch.Tensor, torch.Tensor, RLBatch], tuple[torch.Tensor, dict]]
@@ -73,22 +111,45 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def schedule_sequence_multiple(chunks) -> int:
+    """:func:`sequence_multiple` for these chunks' Megatron config."""
+    cfg = _unwrap(chunks[0]).config
+    return sequence_multiple(cfg.tensor_model_parallel_size, bool(cfg.sequence_parallel),
+                             getattr(cfg, "fp8", None) is not None)
+
+
 def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forward_only: bool,
                  vocab_size: int, dp_size: int, with_entropy: bool = True) -> list[dict]:
-    """Run the micro-batches through ``get_forward_backward_func``; returns the last stage's outputs."""
+    """Run the micro-batches through ``get_forward_backward_func``; returns the last stage's outputs.
+
+    Sequences are right-padded to :func:`schedule_sequence_multiple` target positions (masked out),
+    so ``loss_fn`` and the returned per-token outputs may be longer than the inputs'. With
+    several chunks (virtual pipeline) each chunk gets its own iterator over the same micro-batches.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.core.utils import get_model_config
 
     n_micro = len(micro_batches)
+    # Token-budget micro-batches differ in shape: each is padded on its own (to the sequence
+    # multiple SP/FP8 need), and the pipeline's p2p then sends shapes first.
+    multiple = schedule_sequence_multiple(chunks)
+    micro_batches = [mb.pad_targets(padded_length(mb.tokens.shape[1] - 1, multiple)) for mb in micro_batches]
+    variable = any(mb.tokens.shape != micro_batches[0].tokens.shape for mb in micro_batches)
     seq_len = max(mb.tokens.shape[1] for mb in micro_batches) - 1
     mbs = max(mb.tokens.shape[0] for mb in micro_batches)
-    # Token-budget micro-batches differ in shape: the pipeline's p2p then sends shapes first.
-    variable = any(mb.tokens.shape != micro_batches[0].tokens.shape for mb in micro_batches)
+    if len(chunks) > 1 and variable:
+        raise ValueError("train.max_tokens_per_micro_batch (micro-batches of different shapes) is not supported "
+                         "with the interleaved (virtual pipeline) schedule")
+    if len(chunks) > 1 and n_micro % ps.get_pipeline_model_parallel_world_size():
+        raise ValueError(f"the interleaved (virtual pipeline) schedule needs the number of micro-batches "
+                         f"({n_micro}) to be a multiple of pipeline_model_parallel_size="
+                         f"{ps.get_pipeline_model_parallel_world_size()}: adjust train.mini_batch_size / "
+                         f"train.micro_batch_size")
     tp_group = ps.get_tensor_model_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    it = iter(micro_batches)
+    it = iter(micro_batches) if len(chunks) == 1 else [iter(micro_batches) for _ in chunks]
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -151,13 +212,13 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
             c.train()
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None, None
+    T = batch.tokens.shape[1] - 1  # drop the sequence-parallel padding
     if order is not None:  # token-budget micro-batches: rows back in place, padded to the batch's length
         from .batching import scatter_rows
 
-        width = batch.mask.shape[1]
-        return (scatter_rows([o["logprobs"] for o in out], order, width),
-                scatter_rows([o["entropy"] for o in out], order, width))
-    return torch.cat([o["logprobs"] for o in out]), torch.cat([o["entropy"] for o in out])
+        return (scatter_rows([o["logprobs"] for o in out], order, T, cut=True),
+                scatter_rows([o["entropy"] for o in out], order, T, cut=True))
+    return torch.cat([o["logprobs"][:, :T] for o in out]), torch.cat([o["entropy"][:, :T] for o in out])
 
 
 def global_normalizer(batch: RLBatch, dp_group, max_len: Optional[int] = None) -> LossNormalizer:
@@ -260,5 +321,6 @@ def reduce_step_metrics(outputs: list[dict], dp_group, pp_group) -> dict[str, fl
     return merged
 
 
-__all__ = ["RLBatch", "compute_logprobs", "global_normalizer", "micro_batches", "policy_loss_fn", "reduce_step_metrics",
-           "run_schedule", "sft_loss_fn"]
+__all__ = ["RLBatch", "compute_logprobs", "global_normalizer", "micro_batches", "padded_length", "policy_loss_fn",
+           "reduce_step_metrics", "run_schedule", "schedule_sequence_multiple", "sequence_multiple",
+           "sft_loss_fn"]

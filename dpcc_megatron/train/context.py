@@ -365,3 +365,29 @@ def _check_batch_layout(cfg: JobConfig, dp: int) -> None:
     if t.mini_batch_size % (dp * t.micro_batch_size):
         raise ValueError(f"train.mini_batch_size={t.mini_batch_size} must be a multiple of "
                          f"data-parallel size {dp} x train.micro_batch_size={t.micro_batch_size}")
+    problem = interleaving_problem(cfg, dp)
+    if problem:
+        raise ValueError(problem)
+
+
+def interleaving_problem(cfg: JobConfig, dp: int) -> Optional[str]:
+    """Why the virtual-pipeline (interleaved 1F1B) layout cannot run this batch layout, or None.
+
+    Megatron's interleaved schedule runs micro-batches in groups of PP
+    (``microbatch_group_size_per_vp_stage`` defaults to PP) and refuses a count that is not a
+    multiple of PP; every chunk must hold the same number of layers."""
+    p, t = cfg.parallel, cfg.train
+    vpp, pp = p.virtual_pipeline_model_parallel_size, p.pipeline_model_parallel_size
+    if not vpp:
+        return None
+    if cfg.model.num_layers % (pp * vpp):
+        return (f"model.num_layers={cfg.model.num_layers} is not divisible by parallel.pipeline_model_parallel_size="
+                f"{pp} x parallel.virtual_pipeline_model_parallel_size={vpp}")
+    n_micro = t.mini_batch_size // max(1, dp * t.micro_batch_size)
+    if n_micro % pp:
+        return (f"parallel.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule needs the "
+                f"micro-batches per step, train.mini_batch_size / (data-parallel size {dp} x "
+                f"train.micro_batch_size) = {t.mini_batch_size} / ({dp} x {t.micro_batch_size}) = {n_micro}, "
+                f"to be a multiple of parallel.pipeline_model_parallel_size={pp}; change train.mini_batch_size "
+                f"or train.micro_batch_size")
+    return None

@@ -1,4 +1,5 @@
-"""The planner against layouts NVIDIA publishes for pre-training (numbers quoted in docs/launch.md).
+"""The planner against layouts NVIDIA publishes for pre-training (numbers quoted in docs/launch.md),
+and against the shipped example configs: what the planner accepts, the trainer accepts and runs.
 
 Sources: Megatron-Bridge performance presets (scripts/performance/configs/llama/
 llama3_workload_base_configs.py, llama31_workload_base_configs.py): 64 H100s, GBS 128,
@@ -6,9 +7,15 @@ MBS 1, sequence 8192 for Llama-3-70B; 1024 H100s, GBS 512 for Llama-3.1-405B.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from dpcc_megatron.config import load_config
 from dpcc_megatron.launch.memory import GIB, Layout, ModelShape, Workload, estimate, peak_stage
+from dpcc_megatron.launch.plan import PlanOptions, plan_layout
+from dpcc_megatron.testing.shrink import shrink_for_cpu
+from dpcc_megatron.train.context import _check_batch_layout
 
 LLAMA3_70B = ModelShape(num_layers=80, hidden=8192, ffn=28672, heads=64, kv_groups=8, head_dim=128, vocab=128256)
 LLAMA31_405B = ModelShape(num_layers=126, hidden=16384, ffn=53248, heads=128, kv_groups=8, head_dim=128,
@@ -45,3 +52,42 @@ def test_llama3_70b_published_layout_fits_and_tp1_pp1_does_not_even_with_full_re
     assert pretraining_peak(LLAMA3_70B, 64, 4, 8, 5, 1, 128, True) < 80
     # Weights and fp32 grads alone are 70.6B x 6 B = 394 GiB on every GPU.
     assert pretraining_peak(LLAMA3_70B, 64, 1, 1, None, 1, 128, False, recompute="full") > 394
+
+
+# --- the shipped example configs: the planner and the trainer agree on what runs -------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SHIPPED = {"qwen25_7b.yaml": 8, "llama3_70b.yaml": 64, "mistral_large_123b.yaml": 64}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_trainer_accepts_the_batch_layout_the_planner_accepts(name):
+    cfg = load_config(EXAMPLES / name)
+    plan = plan_layout(cfg, PlanOptions(gpus=SHIPPED[name]))
+    assert plan.problems == []
+    _check_batch_layout(cfg, plan.layout.dp)  # the trainer's own checks at the planned DP (raises if not)
+    if cfg.parallel.virtual_pipeline_model_parallel_size:
+        assert plan.work.num_microbatches % cfg.parallel.pipeline_model_parallel_size == 0
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_the_shrunk_cpu_layout_of_each_example_is_one_the_planner_accepts(name, tmp_path):
+    """tests/train/test_shipped_examples.py trains these; the planner must not call them invalid."""
+    cfg, dropped = shrink_for_cpu(load_config(EXAMPLES / name), str(tmp_path))
+    par = cfg.parallel
+    world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    plan = plan_layout(cfg, PlanOptions(gpus=world))
+    assert plan.problems == [] and plan.layout.dp == 1
+    assert plan.layout.sequence_parallel == par.sequence_parallel
+    assert plan.layout.vpp == par.virtual_pipeline_model_parallel_size
+    _check_batch_layout(cfg, plan.layout.dp)
+
+
+def test_planner_and_trainer_both_refuse_an_interleaved_batch_layout_megatron_cannot_run():
+    # Llama-3-70B at DP4, PP2 x VPP5: 72 / (4 x 2) = 9 micro-batches, not a multiple of PP=2.
+    cfg = load_config(EXAMPLES / "llama3_70b.yaml", ["train.mini_batch_size=72", "train.micro_batch_size=2",
+                                                     "rollout.prompts_per_iteration=72"])
+    plan = plan_layout(cfg, PlanOptions(gpus=64))
+    assert any("interleaved schedule" in p for p in plan.problems), plan.problems
+    with pytest.raises(ValueError, match=r"train\.mini_batch_size.*train\.micro_batch_size"):
+        _check_batch_layout(cfg, plan.layout.dp)

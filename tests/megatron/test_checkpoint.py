@@ -1,4 +1,5 @@
-"""Checkpoints: a save/load round trip with the distributed optimizer at DP=2 continues exactly,
+"""Checkpoints: a save/load round trip with the distributed optimizer at DP=2, and at PP2 x VPP2
+(two model chunks per rank, one sharded state dict each) x DP2, continues exactly,
 writes are atomic with a `latest` pointer, and an incompatible checkpoint is refused."""
 import json
 
@@ -18,20 +19,21 @@ def _step(chunks, opt, seed):
     opt.step()
 
 
-def _round_trip_rank(rank, world, root):
+def _round_trip_rank(rank, world, root, pp=1, vpp=None):
     from dpcc_megatron.config import OptimizerConfig, PrecisionConfig
     from dpcc_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
     from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.reshard import local_named_tensors
 
-    par = parallel_config(1, 1, use_distributed_optimizer=True)
+    par = parallel_config(1, pp, use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=vpp)
     init_model_parallel(par, seed=1)
     optim = OptimizerConfig(lr=1e-2)
 
     def fresh(seed):
         torch.manual_seed(seed)
-        chunks = build_training_model(tiny_model_config(num_layers=2), par, PrecisionConfig())
+        chunks = build_training_model(tiny_model_config(num_layers=2 * pp * (vpp or 1)), par, PrecisionConfig())
+        assert len(chunks) == (vpp or 1)
         opt = build_optimizer(chunks, optim, par, PrecisionConfig())
         return chunks, opt, build_scheduler(opt, optim, total_steps=10)
 
@@ -51,8 +53,9 @@ def _round_trip_rank(rank, world, root):
 
 
 @pytest.mark.multirank
-def test_distributed_optimizer_round_trip_continues_exactly(tmp_path):
-    results = run_multirank(_round_trip_rank, 2, args=(str(tmp_path / "ck"),), timeout=300)
+@pytest.mark.parametrize("pp,vpp", [(1, None), (2, 2)], ids=["dp2", "pp2vpp2dp2"])
+def test_distributed_optimizer_round_trip_continues_exactly(tmp_path, pp, vpp):
+    results = run_multirank(_round_trip_rank, 2 * pp, args=(str(tmp_path / "ck"), pp, vpp), timeout=300)
     for iteration, note, diff in results:
         assert iteration == 1 and note == "x"
         assert diff == 0.0  # Adam moments, step count and weights all restored

@@ -16,12 +16,12 @@ SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95, batch_size=5)
 MODEL = dict(vocab_size=VOCAB, init_method_std=0.1)
 
 
-def _build(tp, pp, vpp=None, state=None):
+def _build(tp, pp, vpp=None, state=None, sp=False):
     from dpcc_megatron.megatron.model import build_gpt_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.reshard import load_full_state_dict
 
-    par = parallel_config(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    par = parallel_config(tp, pp, virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp)
     init_model_parallel(par, seed=7)
     torch.manual_seed(7)
     chunks = [build_gpt_model(tiny_model_config(**MODEL), par, vp_stage=v if vpp else None)
@@ -101,15 +101,20 @@ def _all_rank(rank, world, layouts):
     ps.destroy_model_parallel()
 
     out = {"ref": ref, "eos_id": eos[0], "layouts": {}}
-    for name, (tp, pp, vpp) in layouts.items():
-        chunks = _build(tp, pp, vpp, state)
+    for name, (tp, pp, vpp, sp) in layouts.items():
+        chunks = _build(tp, pp, vpp, state, sp)
         out["layouts"][name] = (_generate(chunks), _generate(chunks, seed=11, **SAMPLING),
                                 _generate(chunks, eos_id=eos[0], batch_size=5))
+        if sp:  # real Megatron modules: SP was switched off to generate, and is back on afterwards
+            out["sp_restored"] = (all(c.config.sequence_parallel for c in chunks), sorted(
+                {type(m).__name__ for c in chunks for m in c.modules()
+                 if getattr(m, "sequence_parallel", None) is True or getattr(m, "reduce_scatter_embeddings", None)}))
         ps.destroy_model_parallel()
     return out
 
 
-LAYOUTS = {"tp2": (2, 1, None), "pp2": (1, 2, None), "pp2_vpp2": (1, 2, 2), "tp2_pp2": (2, 2, None)}
+LAYOUTS = {"tp2": (2, 1, None, False), "pp2": (1, 2, None, False), "pp2_vpp2": (1, 2, 2, False),
+           "tp2_pp2": (2, 2, None, False), "tp2_pp2_vpp2_sp": (2, 2, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +198,16 @@ def test_parallel_layouts_match_one_rank(ref, runs, layout):
                                    msg=where)
 
 
+def test_sequence_parallel_is_restored_on_real_modules(runs):
+    for run in runs:
+        on, modules = run["sp_restored"]
+        assert on
+        # the column/row-parallel linears cache the flag (the embedding reads config.sequence_parallel)
+        assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(modules), modules
+
+
 def test_generation_mode_switches_off_and_restores_sequence_parallel():
-    # Sequence parallelism needs TE or apex norms, so no CPU model can have it: check the switch on a stand-in.
+    # The switch itself, on a stand-in (the layouts above check real SP modules end to end).
     from types import SimpleNamespace
 
     from dpcc_megatron.megatron.generate import _generation_mode

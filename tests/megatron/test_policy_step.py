@@ -1,5 +1,6 @@
-"""One policy update (DPCC and GRPO) at TP=2, PP=2, TP2xPP2 and DP=2 with the distributed
-optimizer equals one rank on the full batch: same loss, same parameter gradients.
+"""One policy update (DPCC and GRPO) at TP=2, PP=2, TP2xPP2, DP=2 with the distributed
+optimizer, and TP2xPP2 with virtual pipeline 2 (interleaved 1F1B) and sequence parallelism,
+equals one rank on the full batch: same loss, same parameter gradients.
 
 Gradients are read back from one optimizer step: Adam's first step moves each weight by
 lr * g / (|g| + eps), which with lr = eps = 1e3 is g to first order (the distributed optimizer
@@ -17,10 +18,12 @@ B, L, VOCAB = 8, 12, 200  # VOCAB < model vocab (256): padded columns must never
 LOSSES = ("dpcc", "grpo")
 
 
-def _job(tp, pp, dist_opt):
+def _job(tp, pp, dist_opt, vpp=None, sp=False):
     from dpcc_megatron.config import JobConfig, OptimizerConfig, TrainConfig
 
-    cfg = JobConfig(model=tiny_model_config(), parallel=parallel_config(tp, pp, use_distributed_optimizer=dist_opt),
+    par = parallel_config(tp, pp, use_distributed_optimizer=dist_opt, virtual_pipeline_model_parallel_size=vpp,
+                          sequence_parallel=sp)
+    cfg = JobConfig(model=tiny_model_config(), parallel=par,
                     optim=OptimizerConfig(name="adam", lr=1e3, adam_eps=1e3, clip_grad=0.0),
                     train=TrainConfig(mini_batch_size=B, micro_batch_size=2))
     cfg.loss.dpcc.early_phase_fraction = 0.0
@@ -41,7 +44,8 @@ def _data():
     return tokens, mask, adv, g
 
 
-def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref_grads=None, budget=0):
+def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref_grads=None, vpp=None, sp=False,
+                 budget=0):
     from megatron.core import parallel_state as ps
 
     from dpcc_megatron.algo import DPCCController
@@ -54,7 +58,7 @@ def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref
     results = {}
     tokens, mask, adv, _ = _data()
     for name in LOSSES:
-        cfg = _job(tp, pp, dist_opt)
+        cfg = _job(tp, pp, dist_opt, vpp, sp)
         cfg.loss.name = name
         cfg.train.max_tokens_per_micro_batch = budget
         init_model_parallel(cfg.parallel, seed=5)
@@ -85,6 +89,7 @@ def _update_rank(rank, world, tp, pp, dist_opt, full_state, old_lp, rows_of, ref
                                   ps.get_tensor_model_parallel_world_size())
         results[name] = (res.metrics["pg_loss"], grads, res.skipped,
                          before if full_state is None else expected, old if full_state is None else None)
+        results["layout"] = (len(chunks), bool(chunks[0].config.sequence_parallel))
         ps.destroy_model_parallel()
     return results
 
@@ -105,14 +110,20 @@ def reference():
     return state, old, res
 
 
-@pytest.mark.parametrize("tp,pp,dp,dist_opt", [(2, 1, 1, False), (1, 2, 1, False), (2, 2, 1, False),
-                                              (1, 1, 2, True)])
-def test_update_matches_single_rank(reference, tp, pp, dp, dist_opt):
+@pytest.mark.parametrize("tp,pp,dp,dist_opt,vpp,sp", [
+    (2, 1, 1, False, None, False), (1, 2, 1, False, None, False), (2, 2, 1, False, None, False),
+    (1, 1, 2, True, None, False),
+    # interleaved 1F1B (one layer per virtual chunk) with sequence parallelism; L-1 = 11 targets are
+    # padded to 12 for SP, so the padding must stay invisible to the loss and the gradients
+    (2, 2, 1, False, 2, True)], ids=["tp2", "pp2", "tp2pp2", "dp2", "tp2pp2vpp2sp"])
+def test_update_matches_single_rank(reference, tp, pp, dp, dist_opt, vpp, sp):
     state, old, ref = reference
     rows = _dp_rows if dp > 1 else _all_rows
     ref_grads = {name: ref[name][1] for name in LOSSES}
-    results = run_multirank(_update_rank, tp * pp * dp, args=(tp, pp, dist_opt, state, old, rows, ref_grads),
-                            timeout=300)
+    results = run_multirank(_update_rank, tp * pp * dp,
+                            args=(tp, pp, dist_opt, state, old, rows, ref_grads, vpp, sp), timeout=300)
+    for rank_res in results:  # the layout really ran: one chunk per virtual stage, SP on
+        assert rank_res["layout"] == (vpp or 1, sp)
     for name in LOSSES:
         ref_loss, ref_grads, ref_skipped, _, _ = ref[name]
         assert not ref_skipped

@@ -146,3 +146,33 @@ def test_confirmed_collapse_rolls_back_to_last_healthy_checkpoint(tmp_path):
     assert summary["lr_scale_from_monitor"] == pytest.approx(0.5)  # continues more conservatively
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2, 3, 2, 3, 4]
+
+
+def test_resume_is_exact_with_virtual_pipeline_and_sequence_parallel(tmp_path):
+    """TP2 x PP2 x VPP2 with sequence parallelism (4 ranks, one layer per virtual chunk): the
+    interleaved schedule, SP padding, per-chunk checkpoints and generation with VPP chunks.
+    3 iterations straight == 2, stop at train.exit_interval, resume, 1 more."""
+    keys = ("pg_loss", "reward_mean", "kl_old_new", "entropy", "tau", "lr_factor", "grad_norm")
+    common = {"train.iterations": 3, "checkpoint.save_interval": 2, "checkpoint.keep_last": 1,
+              "model.num_layers": 4, "parallel.tensor_model_parallel_size": 2,
+              "parallel.pipeline_model_parallel_size": 2, "parallel.virtual_pipeline_model_parallel_size": 2,
+              "parallel.sequence_parallel": True, "train.warmup_sft_steps": 1}
+    straight = tmp_path / "straight"
+    results = run_multirank(_run_rank, 4, args=(str(straight), {**common, "checkpoint.dir": str(straight / "ck")}),
+                            timeout=400)
+    assert all(s["stop_reason"] == "completed" and moved > 0 for s, moved in results)
+    split = tmp_path / "split"
+    over = {**common, "checkpoint.dir": str(split / "ck"), "train.exit_interval": 2}
+    first = run_multirank(_run_rank, 4, args=(str(split), over), timeout=400)
+    assert all(s["iterations"] == 2 and "exit_interval" in s["stop_reason"] for s, _ in first)
+    saved = json.loads((split / "ck" / "iter_0000002" / "trainer_state.json").read_text())
+    assert saved["layout"]["virtual_pipeline_model_parallel_size"] == 2
+    assert (split / "ck" / "latest").read_text().strip() == "iter_0000002"
+    second = run_multirank(_run_rank, 4, args=(str(split), over), timeout=400)
+    assert all(s["iterations"] == 3 and s["stop_reason"] == "completed" for s, _ in second)
+
+    a = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in b] == [2]
+    for k in keys:
+        assert abs(a[2][k] - b[0][k]) <= 1e-6, (k, a[2][k], b[0][k])
