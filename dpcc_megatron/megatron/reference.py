@@ -58,7 +58,7 @@ class ReferencePolicy:
 
         rng = _rng_state()
         try:
-            vpp = len(policy_chunks) > 1
+            vpp = parallel.virtual_pipeline_model_parallel_size  # the same chunks as build_training_model
             chunks = [build_gpt_model(model, parallel, precision, vp_stage=i if vpp else None)
                       for i in range(len(policy_chunks))]
         finally:
