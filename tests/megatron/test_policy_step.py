@@ -139,10 +139,12 @@ def test_update_matches_single_rank(reference, tp, pp, dp, dist_opt, vpp, sp):
 
 
 
-@pytest.mark.parametrize("tp,pp,dp,dist_opt", [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, True)])
-def test_token_budget_micro_batches_match_the_padded_single_rank(reference, tp, pp, dp, dist_opt):
+@pytest.mark.parametrize("tp,pp,dp,dist_opt,sp", [(2, 1, 1, False, False), (2, 1, 1, False, True),
+                                                 (1, 2, 1, False, False), (1, 1, 2, True, False)])
+def test_token_budget_micro_batches_match_the_padded_single_rank(reference, tp, pp, dp, dist_opt, sp):
     """train.max_tokens_per_micro_batch: rows sorted and packed into micro-batches of different
-    shapes (variable sequence lengths through the pipeline) give the padded path's loss and gradients."""
+    shapes (variable sequence lengths through the pipeline; each padded on its own to the TP multiple
+    under sequence parallelism) give the padded path's loss and gradients."""
     from dpcc_megatron.megatron.policy_step import RLBatch, micro_batches
 
     tokens, mask, adv, _ = _data()
@@ -152,7 +154,7 @@ def test_token_budget_micro_batches_match_the_padded_single_rank(reference, tp, 
     rows = _dp_rows if dp > 1 else _all_rows
     ref_grads = {name: ref[name][1] for name in LOSSES}
     results = run_multirank(_update_rank, tp * pp * dp,
-                            args=(tp, pp, dist_opt, state, old, rows, ref_grads, 2 * L), timeout=300)
+                            args=(tp, pp, dist_opt, state, old, rows, ref_grads, None, sp, 2 * L), timeout=300)
     for name in LOSSES:
         ref_loss = ref[name][0]
         for loss, grads, skipped, expected, _ in (r[name] for r in results):
