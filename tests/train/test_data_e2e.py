@@ -72,7 +72,9 @@ def _run_rank(rank, world, out, tok, train, held_out, overrides):
     ctx = captured["ctx"]
     first = batches[0]
     row = first.tokens[0][: int(first.mask[0].nonzero().max()) + 2].tolist()
-    return {"summary": summary, "vocab": ctx.cfg.model.vocab_size, "stop_ids": sorted(ctx.tokenizer.stop_ids),
+    from dpcc_megatron.megatron.generate import unwrap
+
+    return {"summary": summary, "vocab": ctx.cfg.model.vocab_size, "padded": unwrap(ctx.chunks[-1]).vocab_size, "stop_ids": sorted(ctx.tokenizer.stop_ids),
             "sft_row": ctx.tokenizer.tok.decode(row), "prompts": len(ctx.dataset.prompts),
             "eval_prompts": len(ctx.eval_prompts)}
 
@@ -94,7 +96,8 @@ def test_chat_gsm8k_train_with_eval(tmp_path, data, tp):
     r = results[0]
     s = r["summary"]
     assert s["stop_reason"] == "completed" and s["iterations"] == 2
-    assert r["vocab"] == 270  # model.vocab_size left out: the tokenizer's size
+    assert r["vocab"] == 270  # model.vocab_size left out: the tokenizer's size,
+    assert r["padded"] == (288 if tp == 1 else 320)  # padded to a multiple of 32 x TP as Megatron does
     assert r["stop_ids"] == [2, 4, 5]  # <|endoftext|> plus generation_config's <|im_end|>, <|eot|>
     assert (r["prompts"], r["eval_prompts"]) == (16, 4)
     # the warm-start trains on the data's own gold solution, in the chat template's assistant turn
