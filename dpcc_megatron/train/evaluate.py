@@ -21,6 +21,7 @@ sidecar (kind ``eval``) and ``eval.jsonl``; ``summary.json``'s ``eval`` holds th
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import torch
@@ -90,6 +91,7 @@ class Evaluator:
         from .rollout import _encode_prompts, _generate, _samples, _unpack
 
         ctx = self.ctx
+        t0 = time.time()
         mine = self.prompts[ctx.dp_rank::ctx.dp]
         ids = _encode_prompts(ctx, mine)
         sums: dict[str, float] = {}
@@ -116,7 +118,7 @@ class Evaluator:
         count = max(metrics.pop("prompts"), 1.0)
         metrics = {k: round(v / count, 6) for k, v in metrics.items()}
         metrics["prompts"] = int(count)
-        self._publish(iteration, metrics)
+        self._publish(iteration, metrics, time.time() - t0)
         return metrics
 
     def _score(self, out, prompts, group: int, unpack, samples):
@@ -141,14 +143,14 @@ class Evaluator:
             dist.all_reduce(t)
         return dict(zip(keys, t.cpu().tolist()))
 
-    def _publish(self, iteration: int, metrics: dict) -> None:
+    def _publish(self, iteration: int, metrics: dict, seconds: float) -> None:
         self.last = {"iteration": iteration, **metrics}
         ctx = self.ctx
         if ctx.rank != 0:
             return
         self.records.append({"iteration": iteration, "kind": "eval", **metrics})
         parts = " | ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}" for k, v in metrics.items())
-        print(f" eval after {iteration} iterations | {parts}", flush=True)
+        print(f" eval after {iteration} iterations | {parts} | s: {seconds:.2f}", flush=True)
         if ctx.loggers is not None:
             ctx.loggers.log({f"eval/{k}": v for k, v in metrics.items()}, iteration)
         if ctx.monitor is not None:

@@ -88,11 +88,11 @@ def data(tmp_path_factory):
     return str(tok), str(write_gsm8k_chat(root / "train.jsonl", 16, 0)), str(write_gsm8k_chat(root / "test.jsonl", 4, 1))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_chat_gsm8k_train_with_eval(tmp_path, data, tp):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_chat_gsm8k_train_with_eval(tmp_path, data, tp, pp):
     tok, train, held_out = data
-    over = {"parallel.tensor_model_parallel_size": tp}
-    results = run_multirank(_run_rank, tp, args=(str(tmp_path), tok, train, held_out, over), timeout=400)
+    over = {"parallel.tensor_model_parallel_size": tp, "parallel.pipeline_model_parallel_size": pp}
+    results = run_multirank(_run_rank, tp * pp, args=(str(tmp_path), tok, train, held_out, over), timeout=400)
     r = results[0]
     s = r["summary"]
     assert s["stop_reason"] == "completed" and s["iterations"] == 2
@@ -113,7 +113,7 @@ def test_chat_gsm8k_train_with_eval(tmp_path, data, tp):
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [e["iteration"] for e in evals] == [0, 1, 2]  # start, eval.interval=1, end
     assert all(e["kind"] == "eval" for e in evals)
-    if tp == 2:  # every rank computed the same metrics
-        assert results[1]["summary"]["eval"] == ev
+    for other in results[1:]:  # every rank computed the same metrics
+        assert other["summary"]["eval"] == ev
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [rec["iteration"] for rec in records] == [0, 1]
