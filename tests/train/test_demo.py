@@ -37,5 +37,10 @@ def test_demo_is_reproducible_with_monitor_advice(tmp_path):
     assert first["advice_fallbacks"] == 0
     assert (tmp_path / "a" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "a" / "monitor.db").stat().st_size > 0  # the sidecar stored the records
+    from dpcc_megatron.monitor.store import load_run
+
+    stored = load_run(tmp_path / "a" / "monitor.db", kind="eval")[0]  # the eval records reached the sidecar
+    assert [(r["iteration"], r["reward_greedy"]) for r in stored] == [(e["iteration"], e["reward_greedy"])
+                                                                     for e in evals]
     first.pop("wall_seconds"), second.pop("wall_seconds")
     assert first == second
