@@ -1,5 +1,6 @@
 """Experiment loggers: TensorBoard by default, wandb optional (offline, no network), never required."""
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,13 @@ def test_wandb_offline_writes_a_run_without_network(tmp_path, monkeypatch):
     log.close()
     assert run_dir.name.startswith("offline-run-") and run_dir.parent.parent == tmp_path / "w"
     (record_file,) = run_dir.glob("run-*.wandb")
-    data = record_file.read_bytes()  # protobuf records: keys and JSON values appear verbatim
+    wandb.teardown()  # stop the wandb-core service, which writes the run file asynchronously
+    deadline = time.time() + 60
+    while True:  # protobuf records: keys and JSON values appear verbatim
+        data = record_file.read_bytes()
+        if data.count(b"train/reward_mean") >= 3 or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert data.count(b"train/reward_mean") >= 3 and b"eval/reward_greedy" in data
     assert b"0.1" in data and b"optim" in data
     assert wandb.run is None  # finished
