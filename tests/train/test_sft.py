@@ -60,3 +60,26 @@ def test_long_gold_is_truncated_and_counted(tmp_path):
     ctx = _ctx(cfg, load_prompts(path))
     batch = sft_batch(ctx, 0)
     assert batch.tokens.shape[1] == 32 and ctx.counters["sft_truncated"] == 8
+
+
+def test_run_setup_refuses_bad_data_before_the_model_is_built(tmp_path):
+    """setup_run's data step: the old plain layout without `task`, unknown tasks, and the warm-start."""
+    from dpcc_megatron.data.formats import DataError
+    from dpcc_megatron.rewards import DualTrackReward
+    from dpcc_megatron.train.context import _load_data
+
+    def load(lines, *over):
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        cfg = load_config(overrides=[f"data.prompts={path}", *over])
+        return _load_data(cfg, set(DualTrackReward(cfg.reward).base_layer.tasks))
+
+    with pytest.raises(DataError, match=r"p\.jsonl:1: the record has no task type"):
+        load([{"prompt": "1+1=", "answer": "2"}])
+    prompts, held_out = load([{"prompt": "1+1=", "answer": "2"}], "data.default_task=math")
+    assert prompts[0].fields["task"] == "math" and held_out == []  # no eval.data: no evaluation
+    with pytest.raises(DataError, match=r"p\.jsonl:2: task 'poem' has no reward checkers"):
+        load([{"prompt": "a", "task": "text"}, {"prompt": "b", "task": "poem"}])
+    assert load([{"prompt": "b", "task": "poem"}], "reward.fallback_task=text")[0][0].fields["task"] == "poem"
+    with pytest.raises(ValueError, match=r"warmup_sft_steps=2 needs gold responses.*p\.jsonl:1"):
+        load([{"prompt": "a", "task": "text"}], "train.warmup_sft_steps=2")
