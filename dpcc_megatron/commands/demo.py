@@ -25,6 +25,8 @@ DEMO_CONFIG = {
     "optim": {"lr": 2e-4, "clip_grad": 1.0},
     "train": {"iterations": 150, "inner_epochs": 1, "mini_batch_size": 64, "micro_batch_size": 16,
               "warmup_sft_steps": 60, "warmup_sft_lr": 3e-3, "seed": 1234},
+    # Held-out synthetic prompts: greedy reward and pass@k (4 samples) before RL, every 25 iterations, at the end.
+    "eval": {"interval": 25, "samples": 4},
 }
 
 
@@ -94,9 +96,13 @@ def write_summary(out: Path, seconds: float) -> int:
 
     train_summary = json.loads((out / "train_summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    eval_path = out / "eval.jsonl"
+    evals = [json.loads(line) for line in eval_path.read_text().splitlines() if line.strip()] \
+        if eval_path.is_file() else []
     summary = {
         "reward_before": train_summary.get("reward_before"),
         "reward_after": train_summary.get("reward_after"),
+        "eval": train_summary.get("eval"),
         "iterations": train_summary.get("iterations"),
         "kl_last": train_summary.get("kl_last"),
         "tau_last": train_summary.get("tau_last"),
@@ -111,7 +117,7 @@ def write_summary(out: Path, seconds: float) -> int:
         "wall_seconds": round(seconds, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    render_report(records, summary["alerts"], out / "report.png", title="dpcc-megatron demo")
+    render_report(records + evals, summary["alerts"], out / "report.png", title="dpcc-megatron demo")
     print(f"[demo] reward (greedy, held-out): {summary['reward_before']} -> {summary['reward_after']}")
     print(f"[demo] wrote {out / 'summary.json'} and {out / 'report.png'}")
     print(json.dumps({k: summary[k] for k in ("reward_before", "reward_after", "iterations", "kl_last",

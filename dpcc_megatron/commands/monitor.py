@@ -201,7 +201,9 @@ def _report(args) -> int:
     if not records:
         print(f"warning: no train records{' for run ' + args.run_id if args.run_id else ''} in {args.db}",
               file=sys.stderr)
-    out = render_report(records, alerts, args.out, kl_threshold=kl, entropy_band=band,
+    run = records[0].get("run_id") if records else args.run_id
+    evals = load_run(args.db, run, kind="eval")[0] if run else []  # the held-out eval panel
+    out = render_report(records + evals, alerts, args.out, kl_threshold=kl, entropy_band=band,
                         title=f"DPCC monitor report: {records[0].get('run_id', '') if records else args.db}")
     print(f"wrote {out} ({len(records)} records, {len(alerts)} alerts)")
     return 0

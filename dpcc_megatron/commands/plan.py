@@ -79,6 +79,10 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.model.vocab_size is None:  # taken from data.tokenizer, as the trainer does
+            from ..data.tokenizer import resolve_vocab_size
+
+            cfg = resolve_vocab_size(cfg)
         opts = _options(args)
     except (ConfigError, ValueError) as e:
         print(f"dpcc-megatron plan: {e}", file=sys.stderr)

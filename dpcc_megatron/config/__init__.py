@@ -15,7 +15,8 @@ from .base import ConfigError, check, from_dict, to_dict, validate_tree, apply_o
 from .model import ModelConfig, ParallelConfig, PrecisionConfig
 from .monitor import MonitorConfig
 from .reward import RewardConfig
-from .train import CheckpointConfig, DataConfig, OptimizerConfig, RolloutConfig, TrainConfig
+from .train import (CheckpointConfig, DataConfig, EvalConfig, LoggerConfig, OptimizerConfig, RolloutConfig,
+                    TrainConfig)
 
 
 @dataclass
@@ -44,6 +45,10 @@ class JobConfig:
     """Metrics sidecar and collapse detector."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The RL loop."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Experiment loggers (TensorBoard, wandb)."""
 
     def validate(self) -> None:
         """Checks that span sections."""
@@ -84,7 +89,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "LossConfig", "ModelConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "JobConfig", "LoggerConfig", "LossConfig", "ModelConfig",
     "MonitorConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "RewardConfig",
     "RolloutConfig", "TrainConfig", "check", "from_dict", "load_config", "to_dict", "validate_tree",
 ]

@@ -27,8 +27,9 @@ class ModelConfig:
     """Key/value heads for GQA; None means num_attention_heads (plain MHA)."""
     kv_channels: Optional[int] = None
     """Per-head dimension; None means hidden_size // num_attention_heads."""
-    vocab_size: int = 128
-    """Unpadded tokenizer vocabulary size; Megatron pads it (see make_vocab_size_divisible_by)."""
+    vocab_size: Optional[int] = None
+    """Unpadded vocabulary size; Megatron pads it (see make_vocab_size_divisible_by). None: the
+    tokenizer's size (data.tokenizer); a value below it is an error."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times TP, as Megatron does; padded rows never count."""
     max_seq_len: int = 256
@@ -60,8 +61,9 @@ class ModelConfig:
     """Hidden dropout; must be 0, as attention_dropout."""
 
     def validate(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_seq_len"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check(self.vocab_size is None or self.vocab_size > 0, "vocab_size", f"must be > 0, got {self.vocab_size}")
         check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by",
               f"must be > 0, got {self.make_vocab_size_divisible_by}")
         if self.kv_channels is None:

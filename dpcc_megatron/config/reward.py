@@ -205,8 +205,9 @@ class RewardConfig:
     """Z-score each track separately (within its group, or over the batch) before combining; `none` keeps totals in [0, 1]."""
     tasks: dict[str, list[CheckerSpec]] = field(default_factory=dict)
     """Task name -> checkers; entries replace the built-in defaults of that task (math, addition, sorting, code, json, text)."""
-    fallback_task: str = "text"
-    """Checkers used for samples whose task has none (counted in reward/unknown_task)."""
+    fallback_task: Optional[str] = None
+    """Checkers used for samples whose task has none (counted in reward/unknown_task); None makes an
+    unknown task an error (the trainer checks every prompt's task when it loads the data)."""
     penalties: PenaltyConfig = field(default_factory=PenaltyConfig)
     """Overlong and repetition penalties."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -237,7 +238,7 @@ class RewardConfig:
             dup = sorted({k for k in keys if keys.count(k) > 1})
             check(not dup, f"tasks.{task}", f"reports checker {dup[0] if dup else ''!r} twice; give one a distinct `key`")
             check(any(s.weight > 0 for s in specs), f"tasks.{task}", "needs at least one checker with weight > 0")
-        check(bool(self.fallback_task), "fallback_task", "must name a task")
+        check(self.fallback_task is None or bool(self.fallback_task), "fallback_task", "must be null or name a task")
         check(self.buffer_size >= 0, "buffer_size", f"must be >= 0, got {self.buffer_size}")
         check(self.buffer_per_prompt >= 1, "buffer_per_prompt", f"must be >= 1, got {self.buffer_per_prompt}")
         check(self.buffer_weight >= 0, "buffer_weight", f"must be >= 0, got {self.buffer_weight}")

@@ -1,7 +1,7 @@
 """Data, rollout, optimizer, checkpoint and loop sections."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .base import check
@@ -9,19 +9,32 @@ from .base import check
 
 @dataclass
 class DataConfig:
-    """Prompt source and tokenizer.
+    """Prompt source and tokenizer (formats, chat templates and stop tokens: docs/data.md).
 
     Read by: dpcc_megatron/train/, dpcc_megatron/data/.
     """
 
     prompts: Optional[str] = None
-    """JSONL file, one object per line with `prompt` and task fields; None uses the built-in synthetic task."""
+    """A .jsonl or .parquet file of prompts in the layout `format` names; None uses the built-in synthetic task."""
+    format: Literal["auto", "plain", "verl", "gsm8k", "math", "code"] = "auto"
+    """Record layout: `plain` (prompt + task fields), `verl` (chat prompt, reward_model.ground_truth,
+    data_source), `gsm8k` (question/answer with ####), `math` (problem/solution with \\boxed{}), `code`
+    (prompt + tests); `auto` picks one per record. Also used for eval.data."""
+    default_task: Optional[str] = None
+    """Reward task of records that name none (plain/verl); None makes such a record an error."""
     synthetic_task: Literal["addition", "sorting"] = "addition"
     """Built-in verifiable task used when `prompts` is None."""
     synthetic_digits: int = 2
     """Operand size of the synthetic task (digits for addition, list length for sorting)."""
     tokenizer: str = "char"
     """`char` for the built-in character tokenizer, or a local HF tokenizer directory."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template (with the generation prompt) to every prompt; string prompts
+    become one user message. A tokenizer without a template sends string prompts raw (its own BOS
+    rule). False sends string prompts raw always (message-list prompts are then an error)."""
+    stop_tokens: list[str] = field(default_factory=list)
+    """Extra stop tokens (each one token of the tokenizer), besides the tokenizer's EOS and the
+    eos_token_id list of the tokenizer directory's generation_config.json."""
     max_prompt_len: int = 64
     """Prompts longer than this (in tokens) are truncated from the left and counted."""
     shuffle: bool = True
@@ -30,6 +43,67 @@ class DataConfig:
     def validate(self) -> None:
         check(self.max_prompt_len > 0, "max_prompt_len", f"must be > 0, got {self.max_prompt_len}")
         check(1 <= self.synthetic_digits <= 12, "synthetic_digits", f"must be in [1, 12], got {self.synthetic_digits}")
+        check(self.prompts is None or self.prompts.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet")),
+              "prompts", f"must be a .jsonl or .parquet file, got {self.prompts!r}")
+        check(self.default_task is None or bool(self.default_task), "default_task", "must be null or a task name")
+        check(all(isinstance(t, str) and t for t in self.stop_tokens), "stop_tokens",
+              "must be a list of non-empty token strings")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (greedy reward and pass@k), at the policy's TP/PP layout.
+
+    Read by: dpcc_megatron/train/evaluate.py.
+    """
+
+    data: Optional[str] = None
+    """Held-out .jsonl/.parquet file (read with data.format and data.default_task). None: the synthetic
+    task's held-out prompts when data.prompts is None, otherwise no evaluation."""
+    interval: int = 0
+    """Evaluate every N iterations as well as before the first and after the last (0: only those two)."""
+    greedy: bool = True
+    """Greedy decoding: mean rule (base-track) reward of one greedy answer per prompt (eval/reward_greedy)."""
+    samples: int = 0
+    """n sampled answers per prompt (rollout temperature/top_p/top_k) for pass@k with the unbiased
+    estimator, k = 1, 2, 4, ... up to n (eval/pass@k); 0 disables sampled evaluation."""
+    pass_threshold: float = 0.5
+    """A sampled answer passes when its rule (base-track) reward is at least this."""
+    max_prompts: int = 64
+    """Evaluate the first N prompts of the held-out set (0: all)."""
+
+    def validate(self) -> None:
+        check(self.interval >= 0, "interval", f"must be >= 0, got {self.interval}")
+        check(self.samples >= 0, "samples", f"must be >= 0, got {self.samples}")
+        check(self.greedy or self.samples > 0, "greedy", "is false and eval.samples is 0: nothing to evaluate")
+        check(0 < self.pass_threshold <= 1, "pass_threshold", f"must be in (0, 1], got {self.pass_threshold}")
+        check(self.max_prompts >= 0, "max_prompts", f"must be >= 0, got {self.max_prompts}")
+        check(self.data is None or self.data.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet")),
+              "data", f"must be a .jsonl or .parquet file, got {self.data!r}")
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment loggers on rank 0 (the console line and metrics.jsonl are always written).
+
+    Read by: dpcc_megatron/train/loggers.py.
+    """
+
+    tensorboard: bool = True
+    """TensorBoard event files under train.output_dir/tensorboard."""
+    wandb: bool = False
+    """Weights & Biases (optional: pip install 'dpcc-megatron[wandb]'); an error when enabled but missing."""
+    wandb_project: str = "dpcc-megatron"
+    """wandb project."""
+    wandb_name: Optional[str] = None
+    """wandb run name (None: wandb picks one)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` writes the run under wandb_dir without any network (sync later with `wandb sync`)."""
+    wandb_dir: Optional[str] = None
+    """Where wandb writes its files (None: train.output_dir)."""
+
+    def validate(self) -> None:
+        check(bool(self.wandb_project), "wandb_project", "must be a non-empty project name")
 
 
 @dataclass
@@ -161,7 +235,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Logs, TensorBoard events, summary and report."""
     warmup_sft_steps: int = 0
-    """Supervised warm-start steps on the synthetic task's gold answers before RL (demo)."""
+    """Supervised warm-start steps before RL on the training data's gold responses (data.prompts: formats
+    with gold answers only, else an error; none: the synthetic task's answers)."""
     warmup_sft_lr: float = 3e-3
     """LR of the supervised warm-start."""
     max_tokens_per_micro_batch: int = 0

@@ -1,44 +1,33 @@
-"""Prompt sources: JSONL files and the built-in synthetic verifiable tasks.
+"""Prompts, the built-in synthetic verifiable tasks, and the resumable prompt stream.
 
-A JSONL line is an object with ``prompt`` plus task fields (``answer``, ``tests``,
-``task``, ...). The dataset order is a seeded permutation per epoch, and its
-position is part of the checkpoint, so a resumed run sees the same prompts.
+Files (JSONL, Parquet) in the common layouts are read by :mod:`dpcc_megatron.data.formats`.
+The dataset order is a seeded permutation per epoch, and its position is part of the
+checkpoint, so a resumed run sees the same prompts.
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Optional
 
 
 @dataclass
 class Prompt:
     text: str
+    """The prompt string (for chat prompts: the last user message, what the reward layer sees)."""
     fields: dict = field(default_factory=dict)
     """Task fields handed to the reward layer (task, answer, tests, ...)."""
+    messages: Optional[list] = None
+    """Chat messages ``[{role, content}, ...]`` when the record gave the prompt as a conversation."""
+    gold: Optional[str] = None
+    """A gold response (supervised warm-start), where the data has one."""
+    source: str = ""
+    """Where it came from (``file:line``), for error messages."""
 
-
-def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompts file not found: {p}")
-    out = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{p}:{lineno}: each line must be an object with a string 'prompt'")
-            fields = {k: v for k, v in obj.items() if k != "prompt"}
-            out.append(Prompt(obj["prompt"], fields))
-    if not out:
-        raise ValueError(f"{p}: no prompts")
-    return out
+    @property
+    def chat_input(self):
+        """What the tokenizer encodes: the messages, or the string."""
+        return self.messages if self.messages is not None else self.text
 
 
 def synthetic_prompts(task: str, digits: int, count: int, seed: int) -> list[Prompt]:
@@ -48,11 +37,12 @@ def synthetic_prompts(task: str, digits: int, count: int, seed: int) -> list[Pro
     for _ in range(count):
         if task == "addition":
             a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-            out.append(Prompt(f"{a}+{b}=", {"task": "addition", "answer": str(a + b)}))
+            out.append(Prompt(f"{a}+{b}=", {"task": "addition", "answer": str(a + b)}, gold=str(a + b)))
         elif task == "sorting":
             xs = [rng.randrange(10) for _ in range(digits)]
-            out.append(Prompt("sort:" + ",".join(map(str, xs)) + "=",
-                              {"task": "sorting", "answer": ",".join(map(str, sorted(xs)))}))
+            answer = ",".join(map(str, sorted(xs)))
+            out.append(Prompt("sort:" + ",".join(map(str, xs)) + "=", {"task": "sorting", "answer": answer},
+                              gold=answer))
         else:
             raise ValueError(f"data.synthetic_task: unknown task {task!r}")
     return out

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..rollout import Rollout, decode
+from ..rollout.loop import StopIds
 
 _SP_ATTRS = ("sequence_parallel", "reduce_scatter_embeddings")
 
@@ -158,13 +159,14 @@ class _Channel:
         return buf
 
 
-def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: Optional[int],
+def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: StopIds,
              pad_id: int, vocab_size: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              generator: Optional[torch.Generator] = None, tp_group=None, pp_group=None,
              batch_size: Optional[int] = None, use_kv_cache: bool = True) -> Rollout:
     """Generate one response per prompt with this rank's model chunks (repeat a prompt G times for a group).
 
     ``model_chunks``: a ``GPTModel`` or this rank's list of chunks (VPP), possibly wrapped in DDP.
+    ``eos_id``: one stop id or a collection of them (e.g. ``tokenizer.stop_ids``), or None.
     ``vocab_size``: the tokenizer's (unpadded) vocabulary. ``temperature == 0`` is greedy;
     ``top_k == 0`` and ``top_p == 1`` disable those filters. ``generator`` (required when sampling)
     may live on any device. ``tp_group`` / ``pp_group``: this rank's groups (None: not split).

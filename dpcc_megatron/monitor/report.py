@@ -1,5 +1,8 @@
-"""Training report: entropy, KL, tau_t, LR factor, reward, repetition and sampler/trainer
-mismatch over iterations, with alert markers. PNG, or HTML embedding the PNG.
+"""Training report: entropy, KL, tau_t, LR factor, reward, held-out eval reward, repetition and
+sampler/trainer mismatch over iterations, with alert markers. PNG, or HTML embedding the PNG.
+
+Records of kind ``eval`` (the trainer's ``eval.jsonl``) feed the eval panel; every other panel
+reads the ``train`` records.
 
 matplotlib is imported lazily (object-oriented API with the Agg canvas: no pyplot
 global state, safe in threads and without a display).
@@ -19,6 +22,7 @@ PANELS: list[tuple[str, Sequence[str], str]] = [
     ("DPCC τ_t", ("tau",), "tau"),
     ("LR factor", ("lr_factor",), "lr_factor"),
     ("Reward (mean ± std)", ("reward_mean",), "reward"),
+    ("Eval reward (held-out)", ("reward_greedy", "pass_at_1"), "eval"),
     ("Repetition rate", ("repetition_rate",), "repetition"),
     ("Sampler/trainer mismatch KL", ("mismatch_kl",), "mismatch"),
 ]
@@ -35,11 +39,11 @@ def _alert_dict(a: Any) -> dict:
     return a.to_dict() if hasattr(a, "to_dict") else dict(a)
 
 
-def _segments(records: Iterable[dict]) -> list[list[dict]]:
-    """Records split by attempt (a rollback re-runs iterations), each sorted by iteration."""
+def _segments(records: Iterable[dict], kind: str = "train") -> list[list[dict]]:
+    """Records of ``kind`` split by attempt (a rollback re-runs iterations), each sorted by iteration."""
     by: dict[int, list[dict]] = {}
     for r in records:
-        if r.get("kind", "train") != "train" or "iteration" not in r:
+        if r.get("kind", "train") != kind or "iteration" not in r:
             continue
         by.setdefault(int(r.get("attempt", 0) or 0), []).append(r)
     return [sorted(v, key=lambda r: r["iteration"]) for _, v in sorted(by.items())]
@@ -52,6 +56,7 @@ def render_figure_png(records: Sequence[dict], alerts: Sequence[Any] = (), title
     from matplotlib.figure import Figure
 
     segs = _segments(records)
+    eval_segs = _segments(records, "eval")
     alerts = [_alert_dict(a) for a in alerts]
     fig = Figure(figsize=(11, 2.1 * len(PANELS) + 0.6), dpi=100)
     FigureCanvasAgg(fig)
@@ -59,17 +64,19 @@ def render_figure_png(records: Sequence[dict], alerts: Sequence[Any] = (), title
     colors = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b")
     for ax, (label, fields, key) in zip(axes, PANELS):
         plotted = False
-        for si, seg in enumerate(segs):
+        panel_segs = eval_segs if key == "eval" else segs
+        for si, seg in enumerate(panel_segs):
             xs = [r["iteration"] for r in seg]
-            style = "-" if si == len(segs) - 1 else ":"
+            style = "-" if si == len(panel_segs) - 1 else ":"
             for fi, field in enumerate(fields):
                 ys = [_num(r.get(field)) for r in seg]
                 if all(math.isnan(y) for y in ys):
                     continue
-                name = field if len(fields) > 1 or len(segs) > 1 else None
-                if name and len(segs) > 1:
+                name = field if len(fields) > 1 or len(panel_segs) > 1 else None
+                if name and len(panel_segs) > 1:
                     name = f"{field} (segment {si + 1})"
-                ax.plot(xs, ys, style, color=colors[fi % len(colors)], lw=1.4, marker="." if len(xs) < 60 else None,
+                ax.plot(xs, ys, style, color=colors[fi % len(colors)], lw=1.4,
+                        marker="." if len(xs) < 60 or key == "eval" else None,
                         label=name)
                 plotted = True
                 if key == "reward":

@@ -24,6 +24,10 @@ from .sandbox import SandboxLimits
 log = logging.getLogger(__name__)
 
 
+class UnknownTaskError(ValueError):
+    """A sample's task has no checkers and reward.fallback_task is not set."""
+
+
 @dataclass
 class _Resolved:
     key: str
@@ -49,7 +53,7 @@ class BaseLayer:
 
     def __init__(self, cfg: RewardConfig):
         specs = {**default_task_checkers(), **cfg.tasks}
-        if cfg.fallback_task not in specs:
+        if cfg.fallback_task is not None and cfg.fallback_task not in specs:
             raise ConfigError(f"reward.fallback_task {cfg.fallback_task!r} has no checkers "
                               f"(tasks: {', '.join(sorted(specs))})")
         p = cfg.penalties
@@ -89,6 +93,10 @@ class BaseLayer:
     def checkers_for(self, sample: Sample) -> tuple[list[_Resolved], bool]:
         if sample.task in self.tasks:
             return self.tasks[sample.task], True
+        if self.fallback_task is None:
+            raise UnknownTaskError(f"reward: no checkers for task {sample.task!r} (tasks: "
+                                   f"{', '.join(sorted(self.tasks))}); configure it under reward.tasks or set "
+                                   "reward.fallback_task to score such samples with another task's checkers")
         if sample.task not in self._warned:
             self._warned.add(sample.task)
             log.warning("reward: no checkers for task %r; using reward.fallback_task %r",

@@ -9,7 +9,7 @@ learned positions), the KV cache needs no padding mask, and any attention backen
 Transformer Engine, causal prefill then unmasked single-token decode) runs it unchanged.
 Prompts are sorted by length and cut into batches, so the catch-up columns stay few.
 
-Rows that finish (EOS or ``max_new_tokens``) are dropped from the batch: once a quarter of
+Rows that finish (a stop id, or ``max_new_tokens``) are dropped from the batch: once a quarter of
 the rows are finished, the live rows are moved to the front of the cache (``Stepper.reorder``)
 and later steps feed only those.
 
@@ -20,7 +20,7 @@ rank the same tokens, and each rank keeps identical bookkeeping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -79,13 +79,25 @@ class Rollout:
     """[N, L] fp32: log-prob of ``tokens[:, t]`` under the raw temperature-1 policy over the unpadded
     vocabulary, as the sampler computed it (compare with the trainer's recomputation); 0 outside the response."""
     stopped_by_eos: torch.Tensor
-    """[N] bool: the response ended with EOS (False: it hit max_new_tokens)."""
+    """[N] bool: the response ended with a stop id (EOS or another; False: it hit max_new_tokens)."""
 
     def responses(self) -> list[list[int]]:
         out = []
         for row, p, r in zip(self.tokens.tolist(), self.prompt_lens.tolist(), self.response_lens.tolist()):
             out.append(row[p:p + r])
         return out
+
+
+StopIds = Union[int, Iterable[int], None]
+
+
+def stop_id_tensor(eos_id: StopIds, vocab_size: int, device) -> torch.Tensor:
+    """The stop ids as a sorted int64 tensor (empty: never stop early); each must be in the vocabulary."""
+    ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ValueError(f"eos_id {i!r} is outside the vocabulary [0, {vocab_size})")
+    return torch.tensor(sorted(set(ids)), dtype=torch.long, device=device)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
@@ -100,7 +112,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
 
 
 def _decode_batch(stepper: Stepper, channel: Channel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                  eos_id: Optional[int], pad_id: int, temperature: float, top_p: float, top_k: int,
+                  stop: torch.Tensor, pad_id: int, temperature: float, top_p: float, top_k: int,
                   generator: Optional[torch.Generator], device: torch.device) -> Rollout:
     n = len(prompts)
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
@@ -138,7 +150,7 @@ def _decode_batch(stepper: Stepper, channel: Channel, prompts: Sequence[Sequence
         if sample is not None:
             lp_sampler[seq, col] = sample.logprobs[gen]
             lp_policy[seq, col] = sample.policy_logprobs[gen]
-        hit_eos = (tok == eos_id) if eos_id is not None else torch.zeros_like(tok, dtype=torch.bool)
+        hit_eos = torch.isin(tok, stop)
         by_eos[seq] = hit_eos
         done[seq] = hit_eos | (made[seq] >= max_new_tokens)
         if bool(done.all()):
@@ -160,7 +172,7 @@ def _decode_batch(stepper: Stepper, channel: Channel, prompts: Sequence[Sequence
 
 
 def decode(new_stepper: Callable[[int, int], Stepper], channel: Channel, prompts: Sequence[Sequence[int]], *,
-           max_new_tokens: int, eos_id: Optional[int], pad_id: int, vocab_size: int, temperature: float = 1.0,
+           max_new_tokens: int, eos_id: StopIds, pad_id: int, vocab_size: int, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, generator: Optional[torch.Generator] = None,
            batch_size: Optional[int] = None, device: torch.device | str = "cpu") -> Rollout:
     """Generate one response per prompt; see the module docstring for the scheme.
@@ -168,22 +180,22 @@ def decode(new_stepper: Callable[[int, int], Stepper], channel: Channel, prompts
     ``new_stepper(batch, width)`` returns a fresh stepper (empty KV cache) for at most ``batch``
     rows of at most ``width`` columns. Prompts are sorted by length (stable) and generated
     ``batch_size`` at a time (None: all at once); the result is in the order of ``prompts``.
+    ``eos_id``: the stop ids: one id, a collection of ids (an instruct model's end-of-turn token
+    besides its EOS), or None; a row ends with the first one it draws (kept in the response).
     Deterministic for a given generator state; the generator advances.
     """
     check_sampling_args(temperature, top_p, top_k)
     check_prompts(prompts, vocab_size)
+    device = torch.device(device)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {vocab_size})")
-    if eos_id is not None and not 0 <= eos_id < vocab_size:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
+    stop = stop_id_tensor(eos_id, vocab_size, device)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if temperature > 0 and generator is None:
         raise ValueError("sampling with temperature > 0 needs a torch.Generator (determinism)")
-    device = torch.device(device)
-
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batch_size = batch_size or len(prompts)
     parts = []
@@ -192,7 +204,7 @@ def decode(new_stepper: Callable[[int, int], Stepper], channel: Channel, prompts
         batch = [prompts[i] for i in idx]
         width = max(len(p) for p in batch) + max_new_tokens
         part = _decode_batch(new_stepper(len(batch), width), channel, batch, max_new_tokens=max_new_tokens,
-                             eos_id=eos_id, pad_id=pad_id, temperature=temperature, top_p=top_p, top_k=top_k,
+                             stop=stop, pad_id=pad_id, temperature=temperature, top_p=top_p, top_k=top_k,
                              generator=generator, device=device)
         parts.append((idx, part))
     return _merge(parts, len(prompts), pad_id, device)

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import JobConfig, to_dict
-from ..data.prompts import PromptDataset, load_jsonl_prompts, synthetic_prompts
-from ..data.tokenizer import build_tokenizer
+from ..data.prompts import PromptDataset, synthetic_prompts
+from ..data.tokenizer import build_tokenizer, resolve_vocab_size
 from ..megatron.policy_step import RLBatch, compute_logprobs
 
 
@@ -43,12 +43,15 @@ class RunContext:
     detector: object = None
     sidecar_advice: object = None
     """train.control.SidecarAdvice: sidecar vs local-detector advice (rank 0, with a sidecar)."""
-    tb: object = None
+    loggers: object = None
+    """ExperimentLoggers (TensorBoard, wandb) on rank 0."""
+    evaluator: object = None
+    """The held-out evaluation (train/evaluate.py)."""
     consumed_samples: int = 0
     resumed_state: dict = field(default_factory=dict)
     counters: dict = field(default_factory=lambda: {"steps_taken": 0, "steps_skipped": 0, "prompts_truncated": 0,
                                                     "rollbacks": 0, "fp16_overflows": 0,
-                                                    "advice_fallbacks": 0})
+                                                    "advice_fallbacks": 0, "sft_truncated": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
 
@@ -83,17 +86,10 @@ class RunContext:
         return lp if lp is not None else torch.zeros(batch.mask.shape)
 
     def sft_batch(self, step: int) -> RLBatch:
-        """Gold prompt+answer pairs of the synthetic task (this DP rank's share)."""
-        from .rollout import pack_sequences
+        """Gold prompt+response pairs (this DP rank's share): from the training data, or the synthetic task."""
+        from .sft import sft_batch
 
-        n = self.cfg.train.mini_batch_size
-        prompts = synthetic_prompts(self.cfg.data.synthetic_task, self.cfg.data.synthetic_digits, n,
-                                    seed=self.cfg.train.seed * 31 + step + 1)
-        mine = prompts[self.dp_rank::self.dp]
-        pids = [self.tokenizer.encode(p.text) for p in mine]
-        rids = [self.tokenizer.encode(p.fields["answer"]) + [self.tokenizer.eos_id] for p in mine]
-        tokens, mask = pack_sequences(pids, rids, self.tokenizer.pad_id)
-        return RLBatch(tokens=tokens, mask=mask)
+        return sft_batch(self, step)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def layout(self) -> dict:
@@ -273,8 +269,12 @@ class RunContext:
             (self.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
             if self.monitor is not None:
                 self.monitor.close(timeout=5.0)
-            if self.tb is not None:
-                self.tb.close()
+            if self.evaluator is not None:
+                with open(self.out_dir / "eval.jsonl", "w") as f:
+                    for r in self.evaluator.records:
+                        f.write(json.dumps(r) + "\n")
+            if self.loggers is not None:
+                self.loggers.close()
         close = getattr(self.reward, "close", None)
         if close:
             close()
@@ -301,17 +301,10 @@ def setup_run(cfg: JobConfig) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     init_model_parallel(cfg.parallel, seed=cfg.train.seed)
 
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer.vocab_size} tokens")
-    if cfg.data.prompts:
-        prompts = load_jsonl_prompts(cfg.data.prompts)
-        eval_prompts = prompts[: min(64, len(prompts))]
-    else:
-        prompts = synthetic_prompts(cfg.data.synthetic_task, cfg.data.synthetic_digits, 4096, seed=cfg.train.seed)
-        eval_prompts = synthetic_prompts(cfg.data.synthetic_task, cfg.data.synthetic_digits, 64,
-                                         seed=cfg.train.seed + 99991)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.stop_tokens)
+    cfg = resolve_vocab_size(cfg, tokenizer)
+    reward = DualTrackReward(cfg.reward)
+    prompts, eval_prompts = _load_data(cfg, set(reward.base_layer.tasks))
     dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
     load_fn = None
@@ -335,7 +328,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
         mp_rank=dist.get_rank(mp_group), dp_group=ps.get_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
-        reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
+        reward=reward, vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 
@@ -344,13 +337,31 @@ def setup_run(cfg: JobConfig) -> RunContext:
             from ..monitor.client import MonitorClient
 
             ctx.monitor = MonitorClient.from_config(cfg.monitor, output_dir=str(out_dir))
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        from .loggers import ExperimentLoggers
 
-            ctx.tb = SummaryWriter(str(out_dir / "tensorboard"))
-        except Exception as e:  # tensorboard is optional at run time
-            print(f"[dpcc] TensorBoard disabled: {e}", flush=True)
+        ctx.loggers = ExperimentLoggers(cfg, out_dir, run_config=to_dict(cfg))
+    from .evaluate import Evaluator
+
+    ctx.evaluator = Evaluator(ctx)
     return ctx
+
+
+def _load_data(cfg: JobConfig, known_tasks: set) -> tuple[list, list]:
+    """Training and held-out prompts; every task must have reward checkers (or reward.fallback_task)."""
+    from ..data.formats import check_tasks, load_prompts
+    from .evaluate import load_eval_prompts
+
+    if cfg.data.prompts:
+        prompts = load_prompts(cfg.data.prompts, cfg.data.format, cfg.data.default_task)
+    else:
+        prompts = synthetic_prompts(cfg.data.synthetic_task, cfg.data.synthetic_digits, 4096, seed=cfg.train.seed)
+    eval_prompts = load_eval_prompts(cfg)
+    check_tasks(prompts + eval_prompts, known_tasks, cfg.reward.fallback_task)
+    if cfg.train.warmup_sft_steps:
+        from .sft import check_gold
+
+        check_gold(cfg, prompts)
+    return prompts, eval_prompts
 
 
 def _check_batch_layout(cfg: JobConfig, dp: int) -> None:

@@ -1,4 +1,4 @@
-"""Megatron-style console line and TensorBoard scalars (rank 0)."""
+"""Megatron-style console line, and the record to the experiment loggers (rank 0)."""
 from __future__ import annotations
 
 import math
@@ -40,7 +40,6 @@ class ConsoleLogger:
             self.bar.write(msg)
         else:
             print(msg, flush=True)
-        if ctx.tb is not None:
-            for k, v in r.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    ctx.tb.add_scalar(k if "/" in k else f"train/{k}", v, r["iteration"])
+        if ctx.loggers is not None:
+            ctx.loggers.log({k if "/" in k else f"train/{k}": v for k, v in r.items() if k != "iteration"},
+                            r["iteration"])

@@ -39,7 +39,7 @@ class RolloutBatch:
     sampler_logprobs: list[torch.Tensor]
     """Per response token, the sampler's log-prob under the raw (temperature-1) policy."""
     finished: list[bool]
-    """Stopped at EOS (False: hit max_new_tokens)."""
+    """Stopped at a stop id (False: hit max_new_tokens)."""
     pad_id: int
 
     def to_batch(self, advantages: torch.Tensor) -> RLBatch:
@@ -68,11 +68,17 @@ class RolloutBatch:
 
 
 def _encode_prompts(ctx, prompts) -> list[list[int]]:
+    """Token ids of each prompt: chat template (data.chat_template) or raw, BOS as the tokenizer says.
+    Prompts longer than data.max_prompt_len keep their end (it holds the question) and are counted."""
     out = []
     limit = ctx.cfg.data.max_prompt_len
+    chat = ctx.cfg.data.chat_template
     for p in prompts:
-        ids = ctx.tokenizer.encode(p.text)
-        if len(ids) > limit:  # keep the end: it holds the question
+        try:
+            ids = ctx.tokenizer.encode_prompt(p.chat_input, chat=chat)
+        except ValueError as e:
+            raise ValueError(f"{p.source or 'prompt'}: {e}") from None
+        if len(ids) > limit:
             ids = ids[-limit:]
             ctx.counters["prompts_truncated"] += 1
         out.append(ids)
@@ -83,7 +89,7 @@ def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
     from ..megatron.generate import generate
 
     r = ctx.cfg.rollout
-    return generate(ctx.chunks, prompt_ids, max_new_tokens=r.max_new_tokens, eos_id=ctx.tokenizer.eos_id,
+    return generate(ctx.chunks, prompt_ids, max_new_tokens=r.max_new_tokens, eos_id=ctx.tokenizer.stop_ids,
                     pad_id=ctx.tokenizer.pad_id, temperature=0.0 if greedy else r.temperature,
                     top_p=1.0 if greedy else r.top_p, top_k=0 if greedy else r.top_k,
                     generator=torch.Generator().manual_seed(seed), tp_group=ctx.tp_group,
@@ -92,7 +98,7 @@ def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
 
 def _unpack(out, n: int):
     """Responses, their sampler-side temperature-1 policy log-probs (what the trainer recomputes,
-    so the difference is pure sampler/trainer mismatch), and whether each stopped at EOS."""
+    so the difference is pure sampler/trainer mismatch), and whether each stopped at a stop id."""
     responses, logprobs, finished = [], [], []
     for i in range(n):
         m = out.response_mask[i].bool()
@@ -107,7 +113,7 @@ def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> Rollout
     G = ctx.cfg.rollout.group_size
     mine = prompts[ctx.dp_rank::ctx.dp]
     expanded = [p for p in mine for _ in range(G)]
-    prompt_ids = _encode_prompts(ctx, expanded)
+    prompt_ids = [ids for ids in _encode_prompts(ctx, mine) for _ in range(G)]
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
     out = _generate(ctx, prompt_ids, greedy=False, seed=seed)
     responses, logprobs, finished = _unpack(out, len(expanded))
@@ -157,7 +163,9 @@ def _samples(ctx, prompts, texts, response_ids, group_ids):
     out = []
     for p, text, ids, g in zip(prompts, texts, response_ids, group_ids):
         f = p.fields
-        out.append(Sample(prompt=p.text, response=text, task=f.get("task", "text"),
+        if not f.get("task"):
+            raise ValueError(f"{p.source or 'prompt'}: no task type (set data.default_task or a 'task' field)")
+        out.append(Sample(prompt=p.text, response=text, task=f["task"],
                           answer=None if f.get("answer") is None else str(f.get("answer")), tests=f.get("tests"),
                           schema=f.get("schema"), pattern=f.get("pattern"), language=f.get("language"),
                           group_id=g, response_ids=ids))
@@ -185,17 +193,8 @@ def score_rollouts(ctx, rollouts: RolloutBatch) -> Rewards:
     return Rewards(total, base, adv, weights, metrics, ctx.cfg.loss.advantage_per_component, components)
 
 
-def evaluate_greedy(ctx) -> float:
-    """Mean base-track (rule) reward of greedy answers on held-out prompts, over all DP ranks."""
-    prompts = ctx.eval_prompts[ctx.dp_rank::ctx.dp]
-    prompt_ids = _encode_prompts(ctx, prompts)
-    out = _generate(ctx, prompt_ids, greedy=True, seed=0)
-    responses, _, _ = _unpack(out, len(prompts))
-    texts = [ctx.tokenizer.decode(r) for r in responses]
-    score = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    if ctx.mp_rank == 0 and prompts:
-        res = ctx.reward.score(_samples(ctx, prompts, texts, responses, list(range(len(prompts)))), update=False)
-        score[0], score[1] = float(res.base.sum()), float(len(prompts))
-    if dist.is_initialized():
-        dist.all_reduce(score)
-    return round(float(score[0] / score[1].clamp(min=1)), 4)
+def evaluate_greedy(ctx, iteration: int = 0):
+    """Run the held-out evaluation (train/evaluate.py) after ``iteration`` completed iterations; returns
+    its greedy reward (None when evaluation is off or eval.greedy is false)."""
+    metrics = ctx.evaluator.run(iteration) if ctx.evaluator is not None else None
+    return None if metrics is None else metrics.get("reward_greedy")

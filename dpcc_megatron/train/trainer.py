@@ -54,7 +54,7 @@ def _agree(flag: float, op=dist.ReduceOp.MAX) -> float:
 
 
 def warm_start(ctx: RunContext) -> None:
-    """Supervised phase on the synthetic task's gold answers, so RL starts from a nonzero reward."""
+    """Supervised phase on the data's gold responses (train/sft.py), so RL starts from a nonzero reward."""
     cfg = ctx.cfg
     if cfg.train.warmup_sft_steps == 0:
         return
@@ -142,6 +142,8 @@ def train(cfg: JobConfig) -> dict:
         else:  # reduce_lr (a KL or high-entropy alert) cuts the LR at once; healthy stretches recover it
             control.apply(advice)
 
+        if ctx.evaluator.due(iteration) and iteration < cfg.train.iterations:
+            evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
@@ -159,7 +161,8 @@ def train(cfg: JobConfig) -> dict:
         if stop:
             break
 
-    summary["reward_after"] = evaluate_greedy(ctx)
+    summary["reward_after"] = evaluate_greedy(ctx, iteration)
+    summary["eval"] = ctx.evaluator.last
     summary.update(iterations=iteration, stop_reason=stop_reason, kl_last=controller.last_kl,
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],

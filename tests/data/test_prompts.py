@@ -1,19 +1,20 @@
 import pytest
 
-from dpcc_megatron.data.prompts import PromptDataset, load_jsonl_prompts, synthetic_prompts
+from dpcc_megatron.data.formats import DataError, load_prompts
+from dpcc_megatron.data.prompts import PromptDataset, synthetic_prompts
 from dpcc_megatron.data.tokenizer import CharTokenizer
 
 
 def test_malformed_prompts_file_names_file_and_line(tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3}\n')
-    with pytest.raises(ValueError, match=r"p\.jsonl:2"):
-        load_jsonl_prompts(p)
-    p.write_text('{"prompt": "1+1="}\nnot json\n')
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: not valid JSON"):
-        load_jsonl_prompts(p)
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        load_jsonl_prompts(tmp_path / "missing.jsonl")
+    p.write_text('{"prompt": "1+1=", "answer": "2", "task": "math"}\n{"prompt": 3, "task": "math"}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2"):
+        load_prompts(p)
+    p.write_text('{"prompt": "1+1=", "task": "math"}\nnot json\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not valid JSON"):
+        load_prompts(p)
+    with pytest.raises(DataError, match="missing.jsonl"):
+        load_prompts(tmp_path / "missing.jsonl")
 
 
 def test_synthetic_tasks_carry_correct_answers():

@@ -65,8 +65,11 @@ def test_unknown_checker_in_config_is_a_config_error():
         DualTrackReward(cfg)
 
 
-def test_unknown_task_falls_back_and_is_counted():
+def test_unknown_task_is_an_error_unless_a_fallback_is_configured():
     with DualTrackReward() as reward:
+        with pytest.raises(ValueError, match=r"no checkers for task 'poetry'.*reward\.fallback_task"):
+            reward.score([S("An English sentence.", task="poetry", prompt="Write in English.")])
+    with DualTrackReward(RewardConfig(fallback_task="text")) as reward:
         res = reward.score([S("An English sentence.", task="poetry", prompt="Write in English.")])
     assert res.metrics["reward/unknown_task"] == 1.0
     assert res.checker_scores["language"] == [1.0]

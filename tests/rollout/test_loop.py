@@ -172,3 +172,25 @@ def test_non_finite_logits_raise():
 def test_bad_input_is_a_clear_error(prompts, kw, match):
     with pytest.raises(ValueError, match=match):
         run(prompts, **kw)
+
+
+def test_any_of_several_stop_ids_ends_a_row():
+    """An instruct model's end-of-turn token ends a response as EOS does (a set of stop ids)."""
+    single = run(temperature=1.5, max_new_tokens=12, generator=torch.Generator().manual_seed(1))
+    # A second stop id: the most frequent non-EOS response token of the single-EOS run.
+    counts = torch.bincount(torch.tensor([t for r in single.responses() for t in r if t != EOS]), minlength=VOCAB)
+    other = int(counts.argmax())
+    both = run(temperature=1.5, max_new_tokens=12, generator=torch.Generator().manual_seed(1), eos_id={EOS, other})
+    assert both.response_lens.sum() < single.response_lens.sum()
+    for i, response in enumerate(both.responses()):
+        assert not ({EOS, other} & set(response[:-1])), "generation continued past a stop id"
+        assert bool(both.stopped_by_eos[i]) == (response[-1] in (EOS, other))
+    assert any(r[-1] == other for r in both.responses())
+    greedy, greedy_both = run(temperature=0.0, max_new_tokens=12), run(temperature=0.0, max_new_tokens=12,
+                                                                        eos_id=[EOS, other])
+    for a, b in zip(greedy.responses(), greedy_both.responses()):  # same tokens up to the first stop id
+        cut = next((j + 1 for j, t in enumerate(a) if t in (EOS, other)), len(a))
+        assert b == a[:cut]
+    assert run(eos_id=None, max_new_tokens=5).response_lens.tolist() == [5] * len(PROMPTS)
+    with pytest.raises(ValueError, match="eos_id 99"):
+        run(eos_id=[EOS, 99])

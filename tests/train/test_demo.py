@@ -27,9 +27,20 @@ def test_demo_is_reproducible_with_monitor_advice(tmp_path):
     for key in ("reward_before", "reward_after", "iterations", "kl_last", "tau_last", "lr_factor_last", "alerts"):
         assert key in first, key
     assert first["iterations"] == 8
+    # held-out evaluation through the eval loop: 64 synthetic prompts, greedy reward and pass@k of 4 samples
+    ev = first["eval"]
+    assert ev["iteration"] == 8 and ev["prompts"] == 64 and ev["reward_greedy"] == first["reward_after"]
+    assert 0 <= ev["pass_at_1"] <= ev["pass_at_2"] <= ev["pass_at_4"] <= 1
+    evals = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
+    assert [e["iteration"] for e in evals] == [0, 8] and evals[0]["reward_greedy"] == first["reward_before"]
     assert first["lr_scale_from_monitor"] < 1.0 and first["alerts"]  # advice acted during the run
     assert first["advice_fallbacks"] == 0
     assert (tmp_path / "a" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "a" / "monitor.db").stat().st_size > 0  # the sidecar stored the records
+    from dpcc_megatron.monitor.store import load_run
+
+    stored = load_run(tmp_path / "a" / "monitor.db", kind="eval")[0]  # the eval records reached the sidecar
+    assert [(r["iteration"], r["reward_greedy"]) for r in stored] == [(e["iteration"], e["reward_greedy"])
+                                                                     for e in evals]
     first.pop("wall_seconds"), second.pop("wall_seconds")
     assert first == second
