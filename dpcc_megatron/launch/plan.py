@@ -161,8 +161,18 @@ def _recompute(cfg: Any, opts: PlanOptions) -> str:
     return value
 
 
+def _with_vocab(cfg: Any) -> Any:
+    """``model.vocab_size`` left out is the tokenizer's, as in the trainer."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    from ..data.tokenizer import resolve_vocab_size
+
+    return resolve_vocab_size(cfg)
+
+
 def plan_layout(cfg: Any, opts: PlanOptions = PlanOptions()) -> Plan:
     """Check and estimate the config's layout, with the options' overrides."""
+    cfg = _with_vocab(cfg)
     par = cfg.parallel
     t = opts.tp or par.tensor_model_parallel_size
     p = opts.pp or par.pipeline_model_parallel_size
@@ -213,6 +223,7 @@ def search_layouts(cfg: Any, opts: PlanOptions) -> list[Plan]:
     none/selective/full unless fixed. Sequence parallelism is on whenever TP > 1 and the
     distributed optimizer always (both only save memory at equal communication volume).
     """
+    cfg = _with_vocab(cfg)
     if not opts.gpus:
         raise ValueError("--search needs --gpus")
     shape = model_shape(cfg.model)
