@@ -7,8 +7,8 @@ embeddings), sequence parallelism, virtual pipeline size, distributed optimizer,
 micro-batch size, loss, optimizer and sampling settings. Shrunk: every dimension, TP and PP to at
 most 2 (each stays > 1 where it was, so SP and interleaving still run), the batch, the rollout
 and the run length. Dropped, because a CPU cannot run them: Transformer Engine and FP8, and the
-NCCL backend (gloo instead); prompts, tokenizer and the initial checkpoint become the built-in
-synthetic task, the character tokenizer and a random init. ``dropped`` names each dropped key.
+NCCL backend (gloo instead); prompts, the held-out eval file, tokenizer and the initial
+checkpoint become the built-in synthetic task, the character tokenizer and a random init. ``dropped`` names each dropped key.
 """
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def shrink_for_cpu(cfg, out_dir: str, *, iterations: int = 2):
     m.vocab_size, m.make_vocab_size_divisible_by, m.max_seq_len = 128, 32, 32
 
     cfg.data.prompts, cfg.data.tokenizer, cfg.data.synthetic_digits = None, "char", 1
+    if cfg.eval.data is not None:  # a held-out file of the real dataset: the synthetic task's eval instead
+        dropped.append(f"eval.data: {cfg.eval.data} -> null")
+        cfg.eval.data = None
     r = cfg.rollout
     r.group_size, r.prompts_per_iteration, r.max_new_tokens = 4, 4, 3
     cfg.data.max_prompt_len = m.max_seq_len - r.max_new_tokens  # generation always fits the context
