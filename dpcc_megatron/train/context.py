@@ -64,8 +64,14 @@ class RunContext:
 
     # -- passes -----------------------------------------------------------------------------------
     def logprobs(self, batch: RLBatch):
-        return compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
-                                vocab_size=self.vocab_size, dp_size=self.dp)
+        """Old-policy log-probs and entropies, moved to the host once: every other per-sample tensor
+        of the iteration (masks, advantages, rewards, sampler log-probs) lives there, and the loss
+        functions move each micro-batch's slice to the device of the schedule's outputs."""
+        from .devices import to_host
+
+        lp, ent = compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
+                                   vocab_size=self.vocab_size, dp_size=self.dp)
+        return to_host(lp), to_host(ent)
 
     def sft_batch(self, step: int) -> RLBatch:
         """Gold prompt+answer pairs of the synthetic task (this DP rank's share)."""
