@@ -19,8 +19,9 @@ def main(args) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"dpcc-megatron train: {e}", file=sys.stderr)
-        return 2
+        return 2  # EXIT_USAGE
+    from ..train.exit_codes import exit_code
     from ..train.trainer import train
 
     summary = train(cfg)
-    return 0 if summary.get("stop_reason", "").startswith(("completed", "stopped by", "paused")) else 1
+    return exit_code(summary)  # 0 done/signal/exit_interval, 1 failed, 3 paused by the monitor

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .base import check
 
@@ -108,6 +108,12 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints."""
     resume: Literal["auto", "never", "required"] = "auto"
     """auto: resume when `dir` has a checkpoint; required: fail if none; never: fresh start."""
+    async_save: Union[bool, Literal["auto"]] = "auto"
+    """Write the model/optimizer shards in a background process (megatron-core's async
+    `dist_checkpointing.save` + `AsyncCallsQueue`) while training continues; `latest` and the
+    removal of old checkpoints happen only once every rank's write has finished. auto: on with
+    CUDA, off on CPU; true: on wherever this megatron-core supports it (refused, naming this key,
+    where it does not); false: synchronous saves."""
 
     def validate(self) -> None:
         check(self.save_interval >= 0, "save_interval", f"must be >= 0, got {self.save_interval}")

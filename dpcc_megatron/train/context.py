@@ -46,6 +46,8 @@ class RunContext:
                                                     "rollbacks": 0, "fp16_overflows": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    ckpt_queue: object = None
+    """megatron-core's AsyncCallsQueue when checkpoint.async_save resolved to on, else None."""
 
     # -- optimizers -------------------------------------------------------------------------------
     def build_optimizer(self, lr: Optional[float] = None):
@@ -103,11 +105,22 @@ class RunContext:
                  "reward_before": summary.get("reward_before"),
                  "detector": self.detector.state_dict() if self.detector is not None else None}
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
+        # One asynchronous save in flight at a time: its host copy of the shards is freed first.
+        self.finalize_saves(blocking=True)
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
-                               state, keep_last=self.cfg.checkpoint.keep_last)
-        torch.save(local, path / "rng" / f"local{self.rank}.pt")
+                               state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
+                               async_queue=self.ckpt_queue)
         if self.rank == 0:
-            print(f"[dpcc] saved checkpoint {path}", flush=True)
+            how = "started writing" if self.ckpt_queue is not None else "saved"
+            print(f"[dpcc] {how} checkpoint {path}", flush=True)
+
+    def finalize_saves(self, blocking: bool) -> None:
+        """Collective: finalise asynchronous saves that finished on every rank (all with ``blocking``)."""
+        from ..megatron.checkpoint import finalize_saves
+
+        for _ in finalize_saves(self.ckpt_queue, blocking=blocking):
+            if self.rank == 0:
+                print(f"[dpcc] checkpoint finalised: {self.cfg.checkpoint.dir}/latest updated", flush=True)
 
     def resume(self, controller) -> int:
         """Load the latest checkpoint of checkpoint.dir per checkpoint.resume; returns the start iteration."""
@@ -207,6 +220,7 @@ class RunContext:
 
         if not self.cfg.checkpoint.dir:
             return None
+        self.finalize_saves(blocking=True)
         root = Path(self.cfg.checkpoint.dir)
         kept = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / "trainer_state.json").is_file())
         eligible = [i for i in kept if to_iteration is None or i <= to_iteration]
@@ -295,6 +309,10 @@ def setup_run(cfg: JobConfig) -> RunContext:
         pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
         reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir)
+    if cfg.checkpoint.dir:
+        from ..megatron.checkpoint import make_async_queue
+
+        ctx.ckpt_queue = make_async_queue(cfg.checkpoint.async_save)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 

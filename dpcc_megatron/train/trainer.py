@@ -85,7 +85,9 @@ def train(cfg: JobConfig) -> dict:
 
     iteration = start_iteration
     stop_reason = "completed"
+    stop_kind = "completed"
     while iteration < cfg.train.iterations:
+        ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
         prompts = ctx.dataset.next_batch(cfg.rollout.prompts_per_iteration)
         rollouts: RolloutBatch = make_rollouts(ctx, prompts, iteration)
@@ -137,22 +139,29 @@ def train(cfg: JobConfig) -> dict:
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
-            stop = True
+            stop, stop_kind = True, "nonfinite"
         elif stop:
             stop_reason = f"stopped by {signals.requested or 'a signal on another rank'}"
+            stop_kind = "signal"
         if action == "checkpoint_and_pause":
-            stop_reason, stop = "paused by the monitor's advice", True
+            stop_reason, stop, stop_kind = "paused by the monitor's advice", True, "paused"
         if cfg.train.exit_interval and iteration - start_iteration >= cfg.train.exit_interval \
                 and iteration < cfg.train.iterations:
             stop_reason, stop = f"stopped by train.exit_interval after {cfg.train.exit_interval} iterations", True
+            stop_kind = "exit_interval"
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
             ctx.save(iteration, controller, summary)
         if stop:
             break
 
-    summary["reward_after"] = evaluate_greedy(ctx)
-    summary.update(iterations=iteration, stop_reason=stop_reason, kl_last=controller.last_kl,
+    if stop_kind == "signal":
+        # The preemption window is for the checkpoint: no full greedy evaluation after it.
+        summary["reward_after"] = None
+        summary["final_eval"] = f"skipped: {stop_reason}"
+    else:
+        summary["reward_after"] = evaluate_greedy(ctx)
+    summary.update(iterations=iteration, stop_reason=stop_reason, stop_kind=stop_kind, kl_last=controller.last_kl,
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
                    prompts_truncated=ctx.counters["prompts_truncated"], rollbacks=ctx.counters["rollbacks"],
@@ -160,6 +169,7 @@ def train(cfg: JobConfig) -> dict:
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         ctx.save(iteration, controller, summary)
+    ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
     ctx.finish(summary)
     if ctx.rank == 0:
         print(f"[dpcc] {stop_reason}: reward {summary['reward_before']} -> {summary['reward_after']}", flush=True)
