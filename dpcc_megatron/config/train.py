@@ -147,6 +147,11 @@ class TrainConfig:
     """Supervised warm-start steps on the synthetic task's gold answers before RL (demo)."""
     warmup_sft_lr: float = 3e-3
     """LR of the supervised warm-start."""
+    release_memory_between_phases: Union[bool, Literal["auto"]] = "auto"
+    """Return cached GPU memory at the rollout/training boundaries (gc.collect() and
+    torch.cuda.empty_cache() after generation and after the updates), so the KV cache of the rollout
+    and the activations of training do not both stay reserved by the caching allocator. auto: on with
+    CUDA; true on CPU is refused (the CPU allocator keeps no cache to release)."""
 
     def validate(self) -> None:
         check(self.iterations >= 0, "iterations", f"must be >= 0, got {self.iterations}")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
+from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
 from .context import RunContext, setup_run
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy, make_rollouts, score_rollouts
@@ -75,9 +76,11 @@ def train(cfg: JobConfig) -> dict:
     consecutive_skips = 0
     summary: dict = {"alerts": []}
 
+    release = release_memory_enabled(cfg.train.release_memory_between_phases)
     start_iteration = ctx.resume(controller)
     if start_iteration == 0:
         warm_start(ctx)
+        gather_params(ctx.chunks)
         ctx.build_rl_optimizer(total_steps)
         summary["reward_before"] = evaluate_greedy(ctx)
     else:
@@ -99,6 +102,7 @@ def train(cfg: JobConfig) -> dict:
         old_lp, entropy = ctx.logprobs(batch)
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
+        release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
         steps, step_metrics = 0, []
         mini = cfg.train.mini_batch_size // ctx.dp
@@ -117,6 +121,8 @@ def train(cfg: JobConfig) -> dict:
                 # fp16 overflows while the loss scale settles are normal; only other skips count.
                 consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
+        gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
+        release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         log.line(record)
