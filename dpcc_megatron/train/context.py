@@ -301,6 +301,11 @@ def setup_run(cfg: JobConfig) -> RunContext:
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
 
     rank = dist.get_rank()
+    if rank == 0:
+        p = cfg.parallel
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        print(f"[dpcc] {dist.get_world_size()} ranks from {info.launcher}: TP{p.tensor_model_parallel_size} "
+              f"PP{p.pipeline_model_parallel_size} DP{dp}, {device}", flush=True)
     mp_group = ps.get_model_parallel_group()
     out_dir = Path(cfg.train.output_dir)
     ctx = RunContext(
