@@ -136,7 +136,7 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         request = dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(tmp),
-                                          async_sharded_save=async_queue is not None)
+                                          **(_async_save_kwargs() if async_queue is not None else {}))
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
@@ -181,16 +181,26 @@ def async_save_unsupported() -> Optional[str]:
 
     try:
         from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
-        from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
     except ImportError as e:
         return f"this megatron-core has no asynchronous checkpointing ({e})"
     if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
         return "this megatron-core's dist_checkpointing.save has no async_sharded_save"
-    if not isinstance(get_default_save_sharded_strategy(), AsyncSaveShardedStrategy):
+    if not hasattr(get_default_save_sharded_strategy(), "async_save"):
         return "this megatron-core's torch_dist save strategy is not asynchronous"
     return None
+
+
+def _async_save_kwargs() -> dict:
+    """megatron-core >= 0.17 defaults to the NVIDIA Resiliency Extension's async writer ("nvrx");
+    we pair its own ("mcore") writer with its own AsyncCallsQueue, as 0.16 always did."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return {"async_sharded_save": True, **({"async_strategy": "mcore"} if "async_strategy" in params else {})}
 
 
 def make_async_queue(setting, *, cuda: Optional[bool] = None):

@@ -135,6 +135,21 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         vp_stage=vp_stage,
         **kwargs,
     )
+    _params_to_dtype(gpt, _DTYPES[precision.params_dtype])
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _params_to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in ``params_dtype``, as Megatron-LM's Float16Module leaves them.
+
+    Without apex or TE, Megatron's norms fall back to torch norms whose weights are created in
+    fp32 whatever ``params_dtype`` says; the mixed-precision optimizer then puts them in a separate
+    fp32 group that its ``sharded_state_dict`` cannot map ("Param id ... does not match any model
+    sharded param"), so a bf16 run without the distributed optimizer could not checkpoint."""
+    if dtype == torch.float32:
+        return
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
