@@ -126,8 +126,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     tmp, final = root / f".tmp_{name}", root / name
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if tmp.exists():  # a save that never finished: deleted in the background like old checkpoints
+            _to_trash(tmp)
         tmp.mkdir()
     _barrier()
     # Signals are held while saving: SIGUSR1/SIGTERM is what triggers this save under Slurm, and a
@@ -153,8 +153,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     def finalize() -> None:  # on every rank, once every rank's shards are on disk
         if _rank() == 0:
             (tmp / "trainer_state.json").write_text(text)
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # saved again after a rollback
+                _to_trash(final)
             os.replace(tmp, final)
             pointer_tmp = root / ".latest.tmp"
             pointer_tmp.write_text(name + "\n")
@@ -241,13 +241,7 @@ def retire_old_checkpoints(root: Path, keep_last: int) -> list[Path]:
     rank waits on ``rmtree`` of a large checkpoint. Returns the renamed paths."""
     root = Path(root)
     done = sorted(p for p in root.glob("iter_*") if p.is_dir())
-    retired = []
-    for old in done[:-keep_last]:
-        trash = root / f".trash_{old.name}"
-        if trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(old, trash)
-        retired.append(trash)
+    retired = [_to_trash(old) for old in done[:-keep_last]]
     leftovers = sorted(root.glob(".trash_*"))
     if leftovers:
         t = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in leftovers],
@@ -255,6 +249,15 @@ def retire_old_checkpoints(root: Path, keep_last: int) -> list[Path]:
         t.start()
         _deleters.append(t)
     return retired
+
+
+def _to_trash(path: Path) -> Path:
+    """Rename ``path`` to a unique ``.trash_<name>.<ns>`` beside it (a metadata operation)."""
+    import time
+
+    trash = path.parent / f".trash_{path.name.lstrip('.')}.{time.time_ns()}"
+    os.replace(path, trash)
+    return trash
 
 
 def wait_for_deletions(timeout: Optional[float] = None) -> None:
