@@ -1,11 +1,12 @@
 """Exit status of `dpcc-megatron train`, so that a scheduler sees how a run ended.
 
-| status | meaning |
-|---|---|
-| 0 | completed; stopped by a signal (SIGUSR1/SIGTERM/SIGINT) after checkpointing; stopped by `train.exit_interval` |
-| 1 | failed: an exception, or stopped after `train.max_consecutive_skips` non-finite steps |
-| 2 | bad arguments or config |
-| 3 | paused by the monitor's advice (a confirmed collapse with no checkpoint to roll back to, or `checkpoint_and_pause`): checkpointed, needs a human; Slurm reports FAILED, not COMPLETED, and the batch script does not requeue |
+* 0: completed; stopped by a signal (SIGUSR1/SIGTERM/SIGINT) after checkpointing; stopped by
+  ``train.exit_interval``.
+* 1: failed: an exception, or stopped after ``train.max_consecutive_skips`` non-finite steps.
+* 2: bad arguments or config.
+* 3: paused by the monitor's advice (a confirmed collapse with no checkpoint to roll back to):
+  checkpointed, needs a person. Slurm reports FAILED, not COMPLETED; the batch script does not
+  requeue.
 """
 from __future__ import annotations
 
