@@ -131,3 +131,67 @@ def test_update_with_settings_matches_single_rank(reference, name, tp, pp, dp, d
             assert not skipped and abs(loss - ref_loss) < 1e-5, (loss_name, loss, ref_loss)
             for key, g in grads.items():
                 torch.testing.assert_close(g, expected[key], atol=1e-5, rtol=1e-4)
+
+
+def _steps_rank(rank, world):
+    """Both runs in one launch (starting ranks costs more than the steps)."""
+    from megatron.core import parallel_state as ps
+
+    plain = _steps(False)
+    ps.destroy_model_parallel()
+    return plain, _steps(True)
+
+
+def _steps(overlap):
+    """Three DPCC updates at DP=2 with the distributed optimizer, a forward-only pass before each
+    (as the next iteration's old log-probs) and the phase-boundary gather at the end."""
+    from megatron.core import parallel_state as ps
+
+    import dpcc_megatron.megatron.performance as perf
+    from dpcc_megatron.algo import DPCCController
+    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
+    from dpcc_megatron.megatron.parallel import init_model_parallel
+    from dpcc_megatron.megatron.policy_step import RLBatch, compute_logprobs
+    from dpcc_megatron.megatron.reshard import local_named_tensors
+    from dpcc_megatron.train.update import policy_update
+    from tests.megatron.test_policy_step import _data, _dp_rows, _job
+
+    if overlap:  # the machine check is told there is a GPU; gloo runs the same hooks and buckets
+        perf.Hardware.detect = classmethod(lambda cls: Hardware(cuda=True, fused_wgrad=False))
+    cfg = _job(1, 1, True)
+    cfg.optim.lr, cfg.optim.adam_eps = 1e-2, 1e-8
+    init_model_parallel(cfg.parallel, seed=5)
+    torch.manual_seed(5)
+    chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision)
+    assert chunks[0].ddp_config.overlap_param_gather is overlap
+    tokens, mask, adv, _ = _data()
+    rows = _dp_rows(ps.get_data_parallel_rank(), 2)
+    batch = RLBatch(tokens=tokens[rows], mask=mask[rows], advantages=adv[rows])
+    optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10)
+    ctl = DPCCController(cfg.loss.dpcc, total_steps=10)
+    losses, logprobs = [], []
+    for step in range(3):
+        lp, _ = compute_logprobs(chunks, batch, micro_batch_size=2, vocab_size=200, dp_size=2)
+        logprobs.append(lp)
+        batch.old_logprobs = lp
+        res = policy_update(chunks, optimizer, scheduler, ctl, batch, cfg, dp_size=2,
+                            dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+                            vocab_size=200, fresh=step == 0)
+        losses.append(res.metrics["pg_loss"])
+    gathered = perf.gather_params(chunks)
+    return losses, logprobs, local_named_tensors(chunks), gathered
+
+
+@pytest.mark.multirank
+def test_overlapped_param_gather_over_several_steps_equals_no_overlap():
+    from dpcc_megatron.testing import run_multirank
+
+    for (l0, lp0, w0, g0), (l1, lp1, w1, g1) in run_multirank(_steps_rank, 2, timeout=300):
+        assert (g0, g1) == (False, True)
+        assert (lp0[1] - lp0[0]).abs().max() > 1e-4 and (lp0[2] - lp0[1]).abs().max() > 1e-4  # steps moved it
+        assert l1 == pytest.approx(l0, abs=1e-6)
+        for a, b in zip(lp0, lp1):  # forward passes after a step see the gathered, updated weights
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        for k in w0:
+            torch.testing.assert_close(w0[k], w1[k], atol=1e-6, rtol=0, msg=k)
