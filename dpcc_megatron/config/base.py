@@ -36,6 +36,11 @@ def _join(path: str, key: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if origin is Literal:
+        return " or ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

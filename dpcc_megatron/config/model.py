@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Union, Literal, Optional
 
 from .base import check
 
@@ -106,6 +106,25 @@ class ParallelConfig:
     """torch.distributed backend; auto picks nccl with CUDA, gloo otherwise."""
     distributed_timeout_minutes: int = 30
     """Collective timeout."""
+    gradient_accumulation_fusion: Union[bool, Literal["auto"]] = "auto"
+    """Accumulate weight gradients straight into the fp32 main-grad buffer inside the GEMM
+    (TransformerConfig.gradient_accumulation_fusion). Needs CUDA and apex's
+    `fused_weight_gradient_mlp_cuda` extension, which Megatron-Core's own ColumnParallelLinear
+    (the output layer, also with the Transformer Engine spec) requires; TE layers fuse it
+    themselves. auto: on where both are present, else off; true elsewhere is refused."""
+    overlap_grad_reduce: Union[bool, Literal["auto"]] = "auto"
+    """Overlap the data-parallel gradient all-reduce / reduce-scatter with the backward pass
+    (DistributedDataParallelConfig.overlap_grad_reduce). auto: on with CUDA, off on CPU; true on CPU
+    is refused (the overlap relies on CUDA stream ordering, CUDA_DEVICE_MAX_CONNECTIONS=1)."""
+    overlap_param_gather: Union[bool, Literal["auto"]] = "auto"
+    """Overlap the distributed optimizer's parameter all-gather with the next forward
+    (DistributedDataParallelConfig.overlap_param_gather); parameters are gathered in full before
+    rollout, evaluation and checkpointing. Needs use_distributed_optimizer and overlap_grad_reduce
+    (as Megatron-LM requires) and CUDA. auto: on where all hold; true elsewhere is refused."""
+    deallocate_pipeline_outputs: Union[bool, Literal["auto"]] = "auto"
+    """Free each pipeline stage's output activations once sent to the next stage (only their
+    autograd graph is kept; TransformerConfig.deallocate_pipeline_outputs). Saves activation memory
+    at PP > 1. auto: on with CUDA, off on CPU; true also runs on CPU."""
 
     def validate(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size",
@@ -122,6 +141,11 @@ class ParallelConfig:
         check(self.recompute_num_layers >= 1, "recompute_num_layers", f"must be >= 1, got {self.recompute_num_layers}")
         check(self.distributed_timeout_minutes > 0, "distributed_timeout_minutes",
               f"must be > 0, got {self.distributed_timeout_minutes}")
+        # Hardware-independent combinations (the machine is checked by megatron/performance.py).
+        check(not (self.overlap_param_gather is True and not self.use_distributed_optimizer), "overlap_param_gather",
+              "needs use_distributed_optimizer: true (it overlaps the distributed optimizer's all-gather)")
+        check(not (self.overlap_param_gather is True and self.overlap_grad_reduce is False), "overlap_param_gather",
+              "needs overlap_grad_reduce (auto or true), as in Megatron-LM")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .base import check
 
@@ -202,6 +202,12 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints."""
     resume: Literal["auto", "never", "required"] = "auto"
     """auto: resume when `dir` has a checkpoint; required: fail if none; never: fresh start."""
+    async_save: Union[bool, Literal["auto"]] = "auto"
+    """Write the model/optimizer shards in a background process (megatron-core's async
+    `dist_checkpointing.save` + `AsyncCallsQueue`) while training continues; `latest` and the
+    removal of old checkpoints happen only once every rank's write has finished. auto: on with
+    CUDA, off on CPU; true: on wherever this megatron-core supports it (refused, naming this key,
+    where it does not); false: synchronous saves."""
 
     def validate(self) -> None:
         check(self.save_interval >= 0, "save_interval", f"must be >= 0, got {self.save_interval}")
@@ -244,6 +250,11 @@ class TrainConfig:
     sorted by length and packed so that rows x own-longest-row <= budget, each micro-batch padded only
     to its own longest row; micro_batch_size then no longer applies to them. 0: micro_batch_size rows
     per micro-batch, padded to the batch's longest row."""
+    release_memory_between_phases: Union[bool, Literal["auto"]] = "auto"
+    """Return cached GPU memory at the rollout/training boundaries (gc.collect() and
+    torch.cuda.empty_cache() after generation and after the updates), so the KV cache of the rollout
+    and the activations of training do not both stay reserved by the caching allocator. auto: on with
+    CUDA; true on CPU is refused (the CPU allocator keeps no cache to release)."""
 
     def validate(self) -> None:
         check(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch",

@@ -262,3 +262,17 @@ def export_torch_env(info: RankInfo, env: Optional[MutableMapping[str, str]] = N
     out = {k: str(v) for k, v in values.items()}
     env.update(out)
     return out
+
+
+def device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device of a rank: ``local_rank % device_count``.
+
+    Launchers that start more ranks on a node than it has visible GPUs (``CUDA_VISIBLE_DEVICES``
+    narrowed to one GPU per task by srun's ``--gpus-per-task`` or a site prolog, MPI with a
+    per-rank device list) give local ranks beyond the visible count; without the modulo
+    ``torch.cuda.set_device`` fails with "invalid device ordinal"."""
+    if device_count < 1:
+        raise LaunchError(f"no CUDA device is visible (device count {device_count}) for local rank {local_rank}")
+    if local_rank < 0:
+        raise LaunchError(f"local rank must be >= 0, got {local_rank}")
+    return local_rank % device_count

@@ -12,6 +12,16 @@ Writes are atomic: everything goes to ``.tmp_iter_*`` and is renamed once comple
 then ``latest`` is replaced through a temporary file. Only the last ``keep_last``
 checkpoints are kept. Resume requires the same model config and TP/PP/DP layout
 (optimizer shards are layout-specific); anything else is refused with the difference.
+
+Asynchronous saves (``checkpoint.async_save``): with an ``AsyncCallsQueue`` the shards are
+written by a background process while training goes on; the finalisation (``trainer_state.json``,
+the rename, the ``latest`` pointer and the removal of old checkpoints) runs only once every rank's
+write has finished, when the trainer calls :func:`finalize_saves`. Until then ``latest`` names the
+previous checkpoint, so a crash mid-write resumes from a complete one.
+
+Old checkpoints are never deleted inside a barrier: rank 0 renames them to ``.trash_iter_*``
+(one metadata operation) and a background thread deletes them while training continues;
+leftovers of a killed process are swept by the next save.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -104,13 +115,17 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, scheduler, trainer_state: dict,
-                    keep_last: int = 2, local_state: Optional[dict] = None, extra=None) -> Path:
+                    keep_last: int = 2, local_state: Optional[dict] = None, extra=None,
+                    async_queue=None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
     ``local_state`` (this rank's, e.g. the reward state) is written inside the checkpoint before
-    the atomic rename, so a checkpoint named by ``latest`` always has it; read it back with
+    the rename, so a checkpoint named by ``latest`` always has it; read it back with
     :func:`load_local_state`. ``extra`` (an object with ``sharded_state_dict()`` and
-    ``load_sharded(loaded)``, such as the reference policy) is saved in the same checkpoint."""
+    ``load_sharded(loaded)``, such as the reference policy) is saved in the same checkpoint. With
+    ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the shards are written in the background
+    and the path does not exist until :func:`finalize_saves` has finalised the save; without it
+    everything is done when this returns."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -118,8 +133,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     tmp, final = root / f".tmp_{name}", root / name
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if tmp.exists():  # a save that never finished: deleted in the background like old checkpoints
+            _to_trash(tmp)
         tmp.mkdir()
     _barrier()
     # Signals are held while saving: SIGUSR1/SIGTERM is what triggers this save under Slurm, and a
@@ -127,29 +142,43 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     held = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False, extra=extra), str(tmp))
+        request = dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False, extra=extra), str(tmp),
+                                          **(_async_save_kwargs() if async_queue is not None else {}))
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
     if local_state is not None:
         torch.save(local_state, tmp / "rng" / f"local{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
+    text = None
+    if _rank() == 0:  # serialised now: the trainer moves on before an asynchronous save finalises
         state = dict(trainer_state)
         state["iteration"] = iteration
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, default=_json_default))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = root / ".latest.tmp"
-        pointer_tmp.write_text(name + "\n")
-        os.replace(pointer_tmp, root / "latest")
-        done = sorted(p for p in root.glob("iter_*") if p.is_dir())
-        for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        text = json.dumps(state, indent=1, default=_json_default)
+
+    def finalize() -> None:  # on every rank, once every rank's shards are on disk
+        if _rank() == 0:
+            (tmp / "trainer_state.json").write_text(text)
+            if final.exists():  # saved again after a rollback
+                _to_trash(final)
+            os.replace(tmp, final)
+            pointer_tmp = root / ".latest.tmp"
+            pointer_tmp.write_text(name + "\n")
+            os.replace(pointer_tmp, root / "latest")
+            retire_old_checkpoints(root, keep_last)
+        _barrier()
+
+    if request is None:
+        _barrier()
+        finalize()
+    else:
+        request.add_finalize_fn(finalize)
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)  # the writer process inherits the blocked mask
+        try:
+            async_queue.schedule_async_request(request)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     return final
 
 
@@ -164,6 +193,97 @@ def load_local_state(path: str | Path) -> dict:
         return torch.load(f, weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
         raise CheckpointError(f"{f} is unreadable: {e}") from None
+
+
+def async_save_unsupported() -> Optional[str]:
+    """Why this megatron-core cannot save asynchronously, or None when it can."""
+    import inspect
+
+    try:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
+    except ImportError as e:
+        return f"this megatron-core has no asynchronous checkpointing ({e})"
+    if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
+        return "this megatron-core's dist_checkpointing.save has no async_sharded_save"
+    if not hasattr(get_default_save_sharded_strategy(), "async_save"):
+        return "this megatron-core's torch_dist save strategy is not asynchronous"
+    return None
+
+
+def _async_save_kwargs() -> dict:
+    """megatron-core >= 0.17 defaults to the NVIDIA Resiliency Extension's async writer ("nvrx");
+    we pair its own ("mcore") writer with its own AsyncCallsQueue, as 0.16 always did."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return {"async_sharded_save": True, **({"async_strategy": "mcore"} if "async_strategy" in params else {})}
+
+
+def make_async_queue(setting, *, cuda: Optional[bool] = None):
+    """An ``AsyncCallsQueue`` when ``checkpoint.async_save`` resolves to on, else None.
+
+    ``auto`` is on with CUDA and off on CPU; an explicit ``true`` that this megatron-core cannot do
+    raises ``ConfigError`` naming the key."""
+    from ..config import ConfigError
+
+    if setting is False:
+        return None
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    why = async_save_unsupported()
+    if setting is True and why:
+        raise ConfigError(f"checkpoint.async_save is true but {why}; set it to auto or false")
+    if setting == "auto" and (why or not cuda):
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue()
+
+
+def finalize_saves(async_queue, blocking: bool = False) -> list[int]:
+    """Collective. Finalise the asynchronous saves whose writes finished on every rank (all of them
+    with ``blocking``): trainer state, rename, ``latest``, old-checkpoint removal. Returns the
+    finalised call indices; a no-op without a queue."""
+    if async_queue is None:
+        return []
+    return async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+
+_deleters: list[threading.Thread] = []
+
+
+def retire_old_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Rank 0: keep the newest ``keep_last`` complete checkpoints; rename the others to
+    ``.trash_<name>`` (cheap, atomic) and delete every ``.trash_*`` in a background thread, so no
+    rank waits on ``rmtree`` of a large checkpoint. Returns the renamed paths."""
+    root = Path(root)
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    retired = [_to_trash(old) for old in done[:-keep_last]]
+    leftovers = sorted(root.glob(".trash_*"))
+    if leftovers:
+        t = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in leftovers],
+                             name="dpcc-checkpoint-delete", daemon=True)
+        t.start()
+        _deleters.append(t)
+    return retired
+
+
+def _to_trash(path: Path) -> Path:
+    """Rename ``path`` to a unique ``.trash_<name>.<ns>`` beside it (a metadata operation)."""
+    import time
+
+    trash = path.parent / f".trash_{path.name.lstrip('.')}.{time.time_ns()}"
+    os.replace(path, trash)
+    return trash
+
+
+def wait_for_deletions(timeout: Optional[float] = None) -> None:
+    """Join the background deletions started by this process (tests; the end of a run)."""
+    while _deleters:
+        _deleters.pop().join(timeout)
 
 
 def _json_default(obj: Any):

@@ -6,10 +6,11 @@
                        pp_group=ps.get_pipeline_model_parallel_group())
 
 Every rank of a model-parallel group calls it with the same prompts and an identically seeded
-generator, and gets the same :class:`~dpcc_megatron.rollout.Rollout`. The draws come from the
-generator of TP rank 0 on the last pipeline stage; the generators of the other last-stage ranks
-advance in step, those of earlier stages are not touched. Sampling draws ``b x V`` numbers per
-step, so on GPU pass a generator on the model's device (a CPU one works, but copies the noise).
+generator, and gets the same :class:`~dpcc_megatron.rollout.Rollout`. The sample is decided once
+per model-parallel group: only TP rank 0 of the last pipeline stage draws (from its generator), and
+every other rank receives the tokens; the other ranks' generators are never touched, so no rank
+can diverge by drawing different noise. Sampling draws ``b x V`` numbers per step, so pass a
+generator on the model's device (:func:`rollout_generator`; a CPU one works, but copies the noise).
 
 * **KV cache.** Megatron-Core's own ``StaticInferenceContext`` passed to ``GPTModel.forward``:
   the attention layers write keys/values into it and read the prefix back, which works on CPU
@@ -19,8 +20,9 @@ step, so on GPU pass a generator on the model's device (a CPU one works, but cop
 * **Vocabulary shards.** The last position's logits are gathered over TP by the output layer
   (Megatron requires ``runtime_gather_output`` with an inference context); the padding columns
   ``>= vocab_size`` are dropped before sampling, so they are never drawn.
-* **Same tokens on every rank.** The last pipeline stage samples; its TP rank 0 broadcasts the
-  column over ``tp_group``, then the last stage broadcasts it over ``pp_group``.
+* **Same tokens on every rank.** TP rank 0 of the last pipeline stage samples and broadcasts the
+  column over ``tp_group`` (the other last-stage TP ranks compute the same gathered logits but do
+  not sample), then the last stage broadcasts it over ``pp_group``.
 * **Pipeline.** One step runs the stages in turn: each non-first stage receives the hidden states
   ``[s, b, h]`` from the previous stage, runs its chunk, and sends to the next (ring order, so
   interleaved chunks work too). Stages idle while others compute: generation is not pipelined.
@@ -139,12 +141,16 @@ class _Stepper:
 
 
 class _Channel:
-    """Broadcast the sampler's tensor: TP rank 0 of the last stage -> its TP group -> the PP group."""
+    """Broadcast the sampler's tensor: TP rank 0 of the last stage -> its TP group -> the PP group.
 
-    def __init__(self, is_sampler: bool, tp_group, pp_group):
-        self.is_sampler = is_sampler
+    ``is_sampler`` is true on exactly one rank per model-parallel group (TP rank 0 of the last
+    stage): it alone draws, so the sample is decided once per TP group."""
+
+    def __init__(self, last_stage: bool, tp_group, pp_group):
+        self.last_stage = last_stage
         self.tp_group = tp_group if _group_size(tp_group) > 1 else None
         self.pp_group = pp_group if _group_size(pp_group) > 1 else None
+        self.is_sampler = last_stage and (self.tp_group is None or dist.get_rank(tp_group) == 0)
         if self.tp_group is not None:
             self.tp_src = dist.get_global_rank(tp_group, 0)
         if self.pp_group is not None:
@@ -152,11 +158,23 @@ class _Channel:
 
     def share(self, value: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         buf = like if value is None else value.contiguous()
-        if self.is_sampler and self.tp_group is not None:
+        if self.last_stage and self.tp_group is not None:
             dist.broadcast(buf, src=self.tp_src, group=self.tp_group)
         if self.pp_group is not None:
             dist.broadcast(buf, src=self.pp_src, group=self.pp_group)
         return buf
+
+
+def model_device(model_chunks) -> torch.device:
+    """The device of this rank's model parameters."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return next(unwrap(chunks[0]).parameters()).device
+
+
+def rollout_generator(model_chunks, seed: int) -> torch.Generator:
+    """A generator on the model's device, seeded: the sampler draws its noise where the logits are
+    (no ``b x V`` host-to-device copy per decode step). Only the sampling rank consumes it."""
+    return torch.Generator(device=model_device(model_chunks)).manual_seed(seed)
 
 
 def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: StopIds,

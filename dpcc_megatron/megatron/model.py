@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, PrecisionConfig
+from .performance import resolve as resolve_performance
+from .performance import transformer_config_kwargs
 from .precision import check_precision_environment, fp8_transformer_fields, te_layer_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,15 +60,15 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         pipeline_dtype=dtype,
         bf16=precision.params_dtype == "bf16",
         fp16=precision.params_dtype == "fp16",
-        # Fusions need apex/TE kernels; the unfused paths are exact and portable.
+        # These fusions need apex/TE kernels; the unfused paths are exact and portable.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
-        deallocate_pipeline_outputs=False,
+        # gradient_accumulation_fusion, deallocate_pipeline_outputs: per machine (megatron/performance.py)
+        **transformer_config_kwargs(resolve_performance(parallel)),
         recompute_granularity=parallel.recompute_granularity,
         recompute_method=parallel.recompute_method if parallel.recompute_granularity == "full" else None,
         recompute_num_layers=parallel.recompute_num_layers if parallel.recompute_granularity == "full" else None,
@@ -166,6 +168,21 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
+    _params_to_dtype(gpt, _DTYPES[precision.params_dtype])
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _params_to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in ``params_dtype``, as Megatron-LM's Float16Module leaves them.
+
+    Without apex or TE, Megatron's norms fall back to torch norms whose weights are created in
+    fp32 whatever ``params_dtype`` says; the mixed-precision optimizer then puts them in a separate
+    fp32 group that its ``sharded_state_dict`` cannot map ("Param id ... does not match any model
+    sharded param"), so a bf16 run without the distributed optimizer could not checkpoint."""
+    if dtype == torch.float32:
+        return
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)

@@ -25,9 +25,11 @@ from ..config import OptimizerConfig, ParallelConfig, PrecisionConfig
 def wrap_ddp(chunks, transformer_config, parallel: ParallelConfig):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from .performance import ddp_config_kwargs, resolve
+
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=parallel.use_distributed_optimizer)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        **ddp_config_kwargs(resolve(parallel)))  # overlap_grad_reduce / overlap_param_gather per machine
     wrapped = []
     for i, chunk in enumerate(chunks):
         wrapped.append(DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,

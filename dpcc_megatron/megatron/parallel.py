@@ -18,7 +18,9 @@ def init_distributed(backend: str = "auto", timeout_minutes: int = 30) -> None:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from ..launch.ranks import device_index
+
+        torch.cuda.set_device(device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 

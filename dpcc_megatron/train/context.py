@@ -54,6 +54,8 @@ class RunContext:
                                                     "advice_fallbacks": 0, "sft_truncated": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    ckpt_queue: object = None
+    """megatron-core's AsyncCallsQueue when checkpoint.async_save resolved to on, else None."""
 
     # -- optimizers -------------------------------------------------------------------------------
     def build_optimizer(self, lr: Optional[float] = None):
@@ -72,18 +74,27 @@ class RunContext:
 
     # -- passes -----------------------------------------------------------------------------------
     def logprobs(self, batch: RLBatch):
-        return compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
-                                vocab_size=self.vocab_size, dp_size=self.dp,
-                                max_tokens=self.cfg.train.max_tokens_per_micro_batch)
+        """Old-policy log-probs and entropies, moved to the host once: every other per-sample tensor
+        of the iteration (masks, advantages, rewards, sampler log-probs) lives there, and the loss
+        functions move each micro-batch's slice to the device of the schedule's outputs."""
+        from .devices import to_host
+
+        lp, ent = compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
+                                   vocab_size=self.vocab_size, dp_size=self.dp,
+                                   max_tokens=self.cfg.train.max_tokens_per_micro_batch)
+        return to_host(lp), to_host(ent)
 
     def ref_logprobs(self, batch: RLBatch):
-        """log pi_ref of the batch (last pipeline stage; zeros elsewhere), or None without a reference."""
+        """log pi_ref of the batch on the host (last pipeline stage; zeros elsewhere), or None without a
+        reference."""
+        from .devices import to_host
+
         if self.reference is None:
             return None
         lp = self.reference.logprobs(batch, micro_batch_size=self.cfg.train.micro_batch_size,
                                      vocab_size=self.vocab_size, dp_size=self.dp,
                                      max_tokens=self.cfg.train.max_tokens_per_micro_batch)
-        return lp if lp is not None else torch.zeros(batch.mask.shape)
+        return to_host(lp) if lp is not None else torch.zeros(batch.mask.shape)
 
     def sft_batch(self, step: int) -> RLBatch:
         """Gold prompt+response pairs (this DP rank's share): from the training data, or the synthetic task."""
@@ -109,11 +120,22 @@ class RunContext:
                  "monitor_control": control.state_dict() if control is not None else None,
                  "detector": self.detector.state_dict() if self.detector is not None else None}
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
+        # One asynchronous save in flight at a time: its host copy of the shards is freed first.
+        self.finalize_saves(blocking=True)
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
                                state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
-                               extra=self.reference)
+                               extra=self.reference, async_queue=self.ckpt_queue)
         if self.rank == 0:
-            print(f"[dpcc] saved checkpoint {path}", flush=True)
+            how = "started writing" if self.ckpt_queue is not None else "saved"
+            print(f"[dpcc] {how} checkpoint {path}", flush=True)
+
+    def finalize_saves(self, blocking: bool) -> None:
+        """Collective: finalise asynchronous saves that finished on every rank (all with ``blocking``)."""
+        from ..megatron.checkpoint import finalize_saves
+
+        for _ in finalize_saves(self.ckpt_queue, blocking=blocking):
+            if self.rank == 0:
+                print(f"[dpcc] checkpoint finalised: {self.cfg.checkpoint.dir}/latest updated", flush=True)
 
     def resume(self, controller) -> int:
         """Load the latest checkpoint of checkpoint.dir per checkpoint.resume; returns the start iteration."""
@@ -237,6 +259,7 @@ class RunContext:
 
         if not self.cfg.checkpoint.dir:
             return None
+        self.finalize_saves(blocking=True)
         root = Path(self.cfg.checkpoint.dir)
         kept = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / "trainer_state.json").is_file())
         eligible = [i for i in kept if to_iteration is None or i <= to_iteration]
@@ -321,6 +344,11 @@ def setup_run(cfg: JobConfig) -> RunContext:
                                           path=cfg.loss.ref_model_path, offload=cfg.loss.ref_offload)
 
     rank = dist.get_rank()
+    if rank == 0:
+        p = cfg.parallel
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        print(f"[dpcc] {dist.get_world_size()} ranks from {info.launcher}: TP{p.tensor_model_parallel_size} "
+              f"PP{p.pipeline_model_parallel_size} DP{dp}, {device}", flush=True)
     mp_group = ps.get_model_parallel_group()
     out_dir = Path(cfg.train.output_dir)
     ctx = RunContext(
@@ -329,6 +357,10 @@ def setup_run(cfg: JobConfig) -> RunContext:
         pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
         reward=reward, vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
+    if cfg.checkpoint.dir:
+        from ..megatron.checkpoint import make_async_queue
+
+        ctx.ckpt_queue = make_async_queue(cfg.checkpoint.async_save)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 

@@ -33,13 +33,17 @@ def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
     statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift."""
     from ..megatron.precision import mismatch_stats
 
-    mask = batch.mask
+    # The trainer hands these over on the host (RunContext.logprobs); a caller with device outputs
+    # still gets one device: the masks and the sampler's log-probs follow the outputs.
+    device = old_lp.device
+    mask = batch.mask.to(device)
+    entropy = entropy.to(device)
     n = mask.sum().clamp(min=1)
     out = {
         "entropy": float((entropy * mask).sum() / n),
         "perplexity": float(torch.exp(-(old_lp * mask).sum() / n)),
     }
-    sampler = rollouts.sampler_logprob_matrix(mask)
+    sampler = rollouts.sampler_logprob_matrix(batch.mask).to(device)
     try:
         out.update(mismatch_stats(old_lp, sampler, mask, tis_cap))
     except ValueError:  # non-finite log-probs: leave the fields out; the step itself is skipped

@@ -86,13 +86,13 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
 
 
 def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    from ..megatron.generate import generate
+    from ..megatron.generate import generate, rollout_generator
 
     r = ctx.cfg.rollout
     return generate(ctx.chunks, prompt_ids, max_new_tokens=r.max_new_tokens, eos_id=ctx.tokenizer.stop_ids,
                     pad_id=ctx.tokenizer.pad_id, temperature=0.0 if greedy else r.temperature,
                     top_p=1.0 if greedy else r.top_p, top_k=0 if greedy else r.top_k,
-                    generator=torch.Generator().manual_seed(seed), tp_group=ctx.tp_group,
+                    generator=rollout_generator(ctx.chunks, seed), tp_group=ctx.tp_group,
                     pp_group=ctx.pp_group, vocab_size=ctx.vocab_size, batch_size=r.batch_size)
 
 

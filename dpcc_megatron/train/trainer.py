@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
+from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
 from .context import RunContext, setup_run
 from .control import MonitorControl
 from .logging import ConsoleLogger
@@ -78,9 +79,11 @@ def train(cfg: JobConfig) -> dict:
     consecutive_skips = 0
     summary: dict = {"alerts": []}
 
+    release = release_memory_enabled(cfg.train.release_memory_between_phases)
     start_iteration = ctx.resume(controller)
     if start_iteration == 0:
         warm_start(ctx)
+        gather_params(ctx.chunks)
         if ctx.reference is not None and not cfg.loss.ref_model_path:
             ctx.reference.sync_from(ctx.chunks)  # the reference is the policy as RL starts
         ctx.build_rl_optimizer(total_steps)
@@ -91,7 +94,9 @@ def train(cfg: JobConfig) -> dict:
 
     iteration = start_iteration
     stop_reason = "completed"
+    stop_kind = "completed"
     while iteration < cfg.train.iterations:
+        ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
         samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
         rollouts: RolloutBatch = samples.rollouts
@@ -104,6 +109,7 @@ def train(cfg: JobConfig) -> dict:
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
+        release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
         steps, step_metrics = 0, []
         mini = cfg.train.mini_batch_size // ctx.dp
@@ -122,6 +128,8 @@ def train(cfg: JobConfig) -> dict:
                 # fp16 overflows while the loss scale settles are normal; only other skips count.
                 consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
+        gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
+        release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
@@ -147,23 +155,30 @@ def train(cfg: JobConfig) -> dict:
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
-            stop = True
+            stop, stop_kind = True, "nonfinite"
         elif stop:
             stop_reason = f"stopped by {signals.requested or 'a signal on another rank'}"
+            stop_kind = "signal"
         if action == "checkpoint_and_pause":
-            stop_reason, stop = "paused by the monitor's advice", True
+            stop_reason, stop, stop_kind = "paused by the monitor's advice", True, "paused"
         if cfg.train.exit_interval and iteration - start_iteration >= cfg.train.exit_interval \
                 and iteration < cfg.train.iterations:
             stop_reason, stop = f"stopped by train.exit_interval after {cfg.train.exit_interval} iterations", True
+            stop_kind = "exit_interval"
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
             ctx.save(iteration, controller, summary, control)
         if stop:
             break
 
-    summary["reward_after"] = evaluate_greedy(ctx, iteration)
+    if stop_kind == "signal":
+        # The preemption window is for the checkpoint: no full greedy evaluation after it.
+        summary["reward_after"] = None
+        summary["final_eval"] = f"skipped: {stop_reason}"
+    else:
+        summary["reward_after"] = evaluate_greedy(ctx, iteration)
     summary["eval"] = ctx.evaluator.last
-    summary.update(iterations=iteration, stop_reason=stop_reason, kl_last=controller.last_kl,
+    summary.update(iterations=iteration, stop_reason=stop_reason, stop_kind=stop_kind, kl_last=controller.last_kl,
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
                    steps_taken=ctx.counters["steps_taken"], steps_skipped=ctx.counters["steps_skipped"],
                    prompts_truncated=ctx.counters["prompts_truncated"], rollbacks=ctx.counters["rollbacks"],
@@ -172,6 +187,7 @@ def train(cfg: JobConfig) -> dict:
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         ctx.save(iteration, controller, summary, control)
+    ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
     ctx.finish(summary)
     if ctx.rank == 0:
         print(f"[dpcc] {stop_reason}: reward {summary['reward_before']} -> {summary['reward_after']}", flush=True)

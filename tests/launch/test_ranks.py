@@ -175,3 +175,19 @@ def test_export_then_discover_inside_srun_stays_consistent():
     info = discover_ranks(env, hostnames=_no_scontrol)
     export_torch_env(info, env)
     assert discover_ranks(env, hostnames=_no_scontrol).rank == 9
+
+
+@pytest.mark.parametrize("local_rank, count, index", [(0, 8, 0), (7, 8, 7), (1, 1, 0), (5, 4, 1), (3, 2, 1)])
+def test_device_index_wraps_local_ranks_over_the_visible_devices(local_rank, count, index):
+    from dpcc_megatron.launch.ranks import device_index
+
+    assert device_index(local_rank, count) == index
+
+
+def test_device_index_refuses_no_device_and_negative_ranks():
+    from dpcc_megatron.launch.ranks import LaunchError, device_index
+
+    with pytest.raises(LaunchError, match="no CUDA device"):
+        device_index(0, 0)
+    with pytest.raises(LaunchError, match="local rank"):
+        device_index(-1, 8)

@@ -2,6 +2,7 @@
 (two model chunks per rank, one sharded state dict each) x DP2, continues exactly,
 writes are atomic with a `latest` pointer, and an incompatible checkpoint is refused."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +82,90 @@ def test_latest_pointer_to_an_incomplete_checkpoint_is_an_error(tmp_path):
         latest_checkpoint(tmp_path)
     (tmp_path / "iter_0000003" / "trainer_state.json").write_text(json.dumps({"iteration": 3}))
     assert latest_checkpoint(tmp_path).name == "iter_0000003"
+
+
+def _async_rank(rank, world, root):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from dpcc_megatron.config import OptimizerConfig, PrecisionConfig
+    from dpcc_megatron.megatron.checkpoint import (finalize_saves, load_checkpoint, save_checkpoint,
+                                                   wait_for_deletions)
+    from dpcc_megatron.megatron.optimizer import build_optimizer, build_training_model
+    from dpcc_megatron.megatron.parallel import init_model_parallel
+    from dpcc_megatron.megatron.reshard import local_named_tensors
+
+    par = parallel_config(1, 1, use_distributed_optimizer=True)
+    init_model_parallel(par, seed=1)
+    optim = OptimizerConfig(lr=1e-2)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        chunks = build_training_model(tiny_model_config(num_layers=2), par, PrecisionConfig())
+        return chunks, build_optimizer(chunks, optim, par, PrecisionConfig())
+
+    chunks, opt = fresh(0)
+    queue = AsyncCallsQueue()
+    meta = {"model": {"h": 64}, "layout": {"dp": world}}
+    seen = []
+    for it in (1, 2):
+        _step(chunks, opt, it)
+        save_checkpoint(root, it, chunks, opt, None, meta, keep_last=1, local_state={"r": rank}, async_queue=queue)
+        pointer = Path(root) / "latest"
+        seen.append(pointer.read_text().strip() if pointer.exists() else None)  # before finalisation
+        assert finalize_saves(queue, blocking=True) == [it - 1]
+        seen.append(pointer.read_text().strip())
+    expected = local_named_tensors(chunks)
+    wait_for_deletions()
+    chunks2, opt2 = fresh(99)
+    _step(chunks2, opt2, 7)  # the optimizer needs state of its own before a load
+    state = load_checkpoint(Path(root) / "iter_0000002", chunks2, opt2, None, meta)
+    got = local_named_tensors(chunks2)
+    local = torch.load(Path(root) / "iter_0000002" / "rng" / f"local{rank}.pt")
+    return seen, state["iteration"], max(float((expected[k] - got[k]).abs().max()) for k in expected), local
+
+
+@pytest.mark.multirank
+def test_async_save_updates_latest_and_removes_old_only_after_finalising(tmp_path):
+    root = tmp_path / "ck"
+    results = run_multirank(_async_rank, 2, args=(str(root),), timeout=300)
+    for rank, (seen, iteration, diff, local) in enumerate(results):
+        # `latest` names the previous checkpoint until every rank's write has been finalised.
+        assert seen == [None, "iter_0000001", "iter_0000001", "iter_0000002"]
+        assert iteration == 2 and diff == 0.0 and local == {"r": rank}
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest"]  # iter 1 retired and deleted
+
+
+def test_old_checkpoints_are_renamed_then_deleted_in_the_background(tmp_path, monkeypatch):
+    import threading
+
+    import dpcc_megatron.megatron.checkpoint as ck
+
+    for i in (1, 2, 3):
+        (tmp_path / f"iter_{i:07d}").mkdir()
+        (tmp_path / f"iter_{i:07d}" / "shard").write_bytes(b"x" * 10)
+    (tmp_path / ".trash_iter_0000000").mkdir()  # left by a process killed mid-deletion
+    release = threading.Event()
+    real = ck.shutil.rmtree
+    monkeypatch.setattr(ck.shutil, "rmtree", lambda p, **kw: (release.wait(10), real(p, **kw)))
+    retired = ck.retire_old_checkpoints(tmp_path, keep_last=1)
+    # Returned before any deletion ran: the caller (rank 0, outside every barrier) never waits on rmtree.
+    assert [p.name.split(".")[1] for p in retired] == ["trash_iter_0000001", "trash_iter_0000002"]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003"]
+    assert len(list(tmp_path.glob(".trash_*"))) == 3
+    release.set()
+    ck.wait_for_deletions(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003"]
+
+
+def test_async_save_setting_resolves_per_hardware_and_refuses_what_cannot_run(monkeypatch):
+    import dpcc_megatron.megatron.checkpoint as ck
+    from dpcc_megatron.config import ConfigError
+
+    assert ck.make_async_queue(False, cuda=True) is None
+    assert ck.make_async_queue("auto", cuda=False) is None  # CPU: synchronous by default
+    assert ck.make_async_queue("auto", cuda=True) is not None
+    assert ck.make_async_queue(True, cuda=False) is not None  # asked for, and this megatron-core can
+    monkeypatch.setattr(ck, "async_save_unsupported", lambda: "no AsyncCallsQueue here")
+    assert ck.make_async_queue("auto", cuda=True) is None
+    with pytest.raises(ConfigError, match=r"checkpoint\.async_save is true but no AsyncCallsQueue here"):
+        ck.make_async_queue(True, cuda=True)

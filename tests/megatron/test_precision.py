@@ -403,8 +403,9 @@ def _bf16_rank(rank, world):
     steps = [_update(chunks, optimizer, cfg, batch) for _ in range(2)]
     after = local_named_tensors(chunks)
     out["steps"] = [(s.skipped, s.metrics["pg_loss"], s.grad_norm, s.metrics.get("tis_weight_mean")) for s in steps]
-    out["moved"] = sum(int(not torch.equal(before[k], after[k])) for k in before)
+    out["unmoved"] = sorted(k for k in before if torch.equal(before[k], after[k]))
     out["main_moved"] = max(float((a - b).abs().max()) for a, b in zip(main, main_before))
+    out["every_main_moved"] = all(not torch.equal(a, b) for a, b in zip(main, main_before))
     out["n_params"] = len(before)
     return out
 
@@ -414,12 +415,11 @@ def test_bf16_training_and_mismatch_vs_fp32_trainer():
     from dpcc_megatron.testing import run_multirank
 
     (r,) = run_multirank(_bf16_rank, 1, timeout=300)
-    # GEMM and embedding weights are bf16; torch's norm fallback (no apex/TE) keeps its weights in
-    # fp32, which the mixed-precision optimizer steps directly.
-    low = {k for k, d in r["param_dtypes"].items() if d == torch.bfloat16}
-    assert {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "word_embeddings", "output_layer"} <= low
-    assert all(d == torch.float32 for k, d in r["param_dtypes"].items() if k not in low and "layernorm" in k)
-    assert set(r["param_dtypes"]) - low <= {"input_layernorm", "pre_mlp_layernorm", "final_layernorm"}
+    # Every weight is bf16, the norms included (torch's norm fallback without apex/TE creates fp32
+    # weights; the builder casts them, as Megatron-LM's Float16Module does), with fp32 main weights.
+    assert set(r["param_dtypes"].values()) == {torch.bfloat16}, r["param_dtypes"]
+    assert {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "word_embeddings", "output_layer",
+            "input_layernorm", "final_layernorm"} <= set(r["param_dtypes"])
     assert r["main_dtypes"] == {torch.float32} and r["main_numel"] == r["param_numel"]  # fp32 main weights
     assert r["sampler_dtype"] == r["trainer_dtype"] == torch.float32  # log-probs in fp32 from bf16 logits
     m = r["mismatch"]
@@ -430,8 +430,10 @@ def test_bf16_training_and_mismatch_vs_fp32_trainer():
         assert not skipped
         assert loss == loss and abs(loss) < 1e3 and grad_norm > 0
         assert tis_mean is not None and 0.5 < tis_mean <= 2.0
-    assert r["moved"] == r["n_params"], "every bf16 weight should move after two Adam steps"
-    assert r["main_moved"] > 0
+    # Two steps of lr 1e-3 move every fp32 main weight; a bf16 copy near 1.0 (a norm weight: bf16
+    # spacing 2^-7 there) may round back to its old value, every GEMM/embedding weight moves.
+    assert r["every_main_moved"] and r["main_moved"] > 0
+    assert all("layernorm" in k for k in r["unmoved"]), r["unmoved"]
 
 
 def _fp16_supported() -> bool:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 
@@ -131,3 +132,33 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, job_env, tmp_path
     assert runs[0][0] == 0 and runs[0][1] == resumed_at - 1
     assert runs[1][:2] == (resumed_at, iterations - 1)
     assert not os.path.exists(tmp_path / "ck" / f".tmp_iter_{resumed_at:07d}")
+
+
+def test_signal_lead_time_is_a_parameter(slurm, job_env, tmp_path):
+    """DPCC_SIGNAL_LEAD arms the script's own SIGUSR1 timer that long before the job's end; the header's
+    --signal is overridden on the sbatch command line (here to 10 s before the end: never before ~110 s)."""
+    env = dict(job_env, DPCC_SIGNAL_LEAD="165", DPCC_MONITOR="0")  # 3 min limit - 165 s: SIGUSR1 after ~15 s
+    args = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--job-name=dpcc-lead", f"--chdir={REPO}",
+            "--time=3", "--signal=B:USR1@10", f"--output={tmp_path}/batch-%j.out", str(SBATCH), CONFIG,
+            f"train.output_dir={tmp_path / 'out'}", "train.iterations=100000"]
+    job = slurm.sbatch(args, env=env)
+    logdir = tmp_path / "logs" / f"dpcc-lead-{job}"
+    batch_log = logdir / "batch.log"
+    try:
+        deadline = time.monotonic() + 120
+        while "SIGUSR1: time limit" not in read(batch_log):
+            assert slurm.job(job)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), read(batch_log)
+            assert time.monotonic() < deadline, "no SIGUSR1 within 120 s\n" + read(batch_log)
+            time.sleep(0.5)
+        text = read(batch_log)
+        armed = re.search(r"\[dpcc (\d+):(\d+):(\d+)\] preemption timer: SIGUSR1 in (\d+) s "
+                          r"\(DPCC_SIGNAL_LEAD=165 s before the end time", text)
+        fired = re.search(r"\[dpcc (\d+):(\d+):(\d+)\] SIGUSR1: time limit", text)
+        assert armed and fired, text
+        delay = int(armed.group(4))
+        assert 0 <= delay <= 15, text  # end = start + 180 s: 15 s less the start-up so far
+        seconds = [int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3)) for m in (armed, fired)]
+        took = (seconds[1] - seconds[0]) % 86400
+        assert abs(took - delay) <= 3, (took, delay, text)  # our timer fired it, not Slurm's (>= ~110 s in)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm.env, timeout=15, capture_output=True)
