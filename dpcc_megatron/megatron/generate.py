@@ -27,7 +27,8 @@ generator on the model's device (:func:`rollout_generator`; a CPU one works, but
   ``[s, b, h]`` from the previous stage, runs its chunk, and sends to the next (ring order, so
   interleaved chunks work too). Stages idle while others compute: generation is not pipelined.
 * **Sequence parallelism** is switched off for the duration (Megatron's static batching does not
-  support it; the weights are the same).
+  support it; the weights are the same) and restored afterwards: the config flag and the flag the
+  column/row-parallel linears cache (tested on real modules at TP2 x PP2 x VPP2 with SP).
 """
 from __future__ import annotations
 

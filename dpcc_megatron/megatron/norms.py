@@ -13,6 +13,7 @@ block's final norm), so the model builder can use the local spec with SP on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -54,6 +55,13 @@ def _swap(obj: Any, old: Any, new: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         items = [_swap(v, old, new) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    if isinstance(obj, functools.partial):  # megatron-core >= 0.17 builds some submodules as partials
+        func = _swap(obj.func, old, new)
+        args = [_swap(v, old, new) for v in obj.args]
+        kw = {k: _swap(v, old, new) for k, v in obj.keywords.items()}
+        unchanged = func is obj.func and all(a is b for a, b in zip(args, obj.args)) and all(
+            kw[k] is obj.keywords[k] for k in kw)
+        return obj if unchanged else functools.partial(func, *args, **kw)
     return obj
 
 
@@ -70,6 +78,9 @@ def uses_torch_norm(spec) -> bool:
                 visit(getattr(obj, f.name))
         elif isinstance(obj, (list, tuple)):
             for v in obj:
+                visit(v)
+        elif isinstance(obj, functools.partial):
+            for v in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(v)
 
     visit(spec)

@@ -15,6 +15,10 @@ This layer redirects exactly these, and nothing else:
    for CPU tensors: Megatron's optimizers check these strings.
 5. ``Tensor.cuda()`` / ``Module.cuda()`` return self.
 
+Sequence parallelism needs no redirect: gloo runs the ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` that Megatron's SP regions use (torch 2.13); the SP-capable norm
+lives with the model builder (:mod:`dpcc_megatron.megatron.norms`).
+
 It is switched on explicitly with :func:`enable_cpu_megatron` and refuses to run
 when CUDA is available, so it can never leak into a GPU job.
 """
