@@ -39,6 +39,8 @@ class RunContext:
     scheduler: object = None
     reference: object = None
     """The frozen reference policy (megatron.reference.ReferencePolicy) when loss.ref_kl_coef > 0."""
+    engine: object = None
+    """The rollout engine (rollout/engine.py interface), built by train/engines.py."""
     monitor: object = None
     detector: object = None
     tb: object = None
@@ -274,6 +276,8 @@ class RunContext:
                 self.monitor.close(timeout=5.0)
             if self.tb is not None:
                 self.tb.close()
+        if self.engine is not None:
+            self.engine.close()
         close = getattr(self.reward, "close", None)
         if close:
             close()
@@ -335,6 +339,9 @@ def setup_run(cfg: JobConfig) -> RunContext:
         pp_group=ps.get_pipeline_model_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         mp_group=mp_group, chunks=chunks, tokenizer=tokenizer, dataset=dataset, eval_prompts=eval_prompts,
         reward=DualTrackReward(cfg.reward), vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
+    from .engines import build_rollout_engine
+
+    ctx.engine = build_rollout_engine(ctx)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 

@@ -80,26 +80,18 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
 
 
 def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    from ..megatron.generate import generate
+    """Through the rollout engine's interface only: refit it to the current weights, then generate.
+    Returns (responses, their temperature-1 policy log-probs as the sampler computed them (what the
+    trainer recomputes, so the difference is pure sampler/trainer mismatch), stopped at a stop token)."""
+    from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
-    return generate(ctx.chunks, prompt_ids, max_new_tokens=r.max_new_tokens, eos_id=ctx.tokenizer.eos_id,
-                    pad_id=ctx.tokenizer.pad_id, temperature=0.0 if greedy else r.temperature,
-                    top_p=1.0 if greedy else r.top_p, top_k=0 if greedy else r.top_k,
-                    generator=torch.Generator().manual_seed(seed), tp_group=ctx.tp_group,
-                    pp_group=ctx.pp_group, vocab_size=ctx.vocab_size, batch_size=r.batch_size)
-
-
-def _unpack(out, n: int):
-    """Responses, their sampler-side temperature-1 policy log-probs (what the trainer recomputes,
-    so the difference is pure sampler/trainer mismatch), and whether each stopped at EOS."""
-    responses, logprobs, finished = [], [], []
-    for i in range(n):
-        m = out.response_mask[i].bool()
-        responses.append(out.tokens[i][m].tolist())
-        logprobs.append(out.policy_logprobs[i][m].detach().float().cpu())
-        finished.append(bool(out.stopped_by_eos[i]))
-    return responses, logprobs, finished
+    sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                        top_p=r.top_p, top_k=r.top_k, seed=seed,
+                        stop_token_ids=() if ctx.tokenizer.eos_id is None else (ctx.tokenizer.eos_id,))
+    ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
+    out = ctx.engine.generate(prompt_ids, sampling)
+    return out.responses, out.logprobs, out.finished
 
 
 def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
@@ -109,8 +101,7 @@ def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> Rollout
     expanded = [p for p in mine for _ in range(G)]
     prompt_ids = _encode_prompts(ctx, expanded)
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
-    out = _generate(ctx, prompt_ids, greedy=False, seed=seed)
-    responses, logprobs, finished = _unpack(out, len(expanded))
+    responses, logprobs, finished = _generate(ctx, prompt_ids, greedy=False, seed=seed)
     texts = [ctx.tokenizer.decode(r) for r in responses]
     return RolloutBatch(expanded, prompt_ids, responses, texts, logprobs, finished, ctx.tokenizer.pad_id)
 
@@ -189,8 +180,7 @@ def evaluate_greedy(ctx) -> float:
     """Mean base-track (rule) reward of greedy answers on held-out prompts, over all DP ranks."""
     prompts = ctx.eval_prompts[ctx.dp_rank::ctx.dp]
     prompt_ids = _encode_prompts(ctx, prompts)
-    out = _generate(ctx, prompt_ids, greedy=True, seed=0)
-    responses, _, _ = _unpack(out, len(prompts))
+    responses, _, _ = _generate(ctx, prompt_ids, greedy=True, seed=0)
     texts = [ctx.tokenizer.decode(r) for r in responses]
     score = torch.zeros(2, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     if ctx.mp_rank == 0 and prompts:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
+from ..rollout.engine import RefitError
 from .context import RunContext, setup_run
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
@@ -91,7 +92,12 @@ def train(cfg: JobConfig) -> dict:
     stop_reason = "completed"
     while iteration < cfg.train.iterations:
         t0 = time.time()
-        samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+        try:
+            samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+        except RefitError:  # the rollout engine could not take the current weights: stop, keep them
+            if cfg.checkpoint.dir:
+                ctx.save(iteration, controller, summary)
+            raise
         rollouts: RolloutBatch = samples.rollouts
         rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
