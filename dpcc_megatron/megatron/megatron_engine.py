@@ -15,6 +15,7 @@ from ..rollout.engine import Generation, Sampling
 
 class MegatronEngine:
     name = "megatron"
+    last_refit_s = 0.0  # nothing to copy: it decodes with the training weights
 
     def __init__(self, chunks, *, vocab_size: int, pad_id: int, tp_group=None, pp_group=None,
                  batch_size: Optional[int] = None):

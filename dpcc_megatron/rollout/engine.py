@@ -75,6 +75,8 @@ class Generation:
 
 class RolloutEngine(Protocol):
     name: str
+    last_refit_s: float
+    """Seconds the last update_weights took (0 where the engine reads the training weights directly)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Sampling) -> Generation:
         """One response per prompt (repeat a prompt G times for a group); collective over the model-parallel group."""

@@ -129,6 +129,7 @@ def train(cfg: JobConfig) -> dict:
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
+        record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None
