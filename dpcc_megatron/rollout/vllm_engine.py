@@ -90,6 +90,17 @@ def _agree_failed(failed: bool) -> bool:
     return bool(t.item() > 0)
 
 
+def agree_error(error: Optional[str]) -> Optional[str]:
+    """Every rank gets the first rank's error message (None when no rank failed); collective."""
+    if not _agree_failed(error is not None):
+        return None
+    if not dist.is_initialized():
+        return error
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, error)
+    return next(e for e in box if e is not None)
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -124,8 +135,9 @@ class VLLMEngine:
                 error = str(e)
             except Exception as e:  # vLLM's own errors (unsupported model, attention config, memory)
                 error = f"rollout.engine: vllm failed to start on {model_dir}: {type(e).__name__}: {e}"
-        if _agree_failed(error is not None):
-            raise EngineStartError(error or "rollout.engine: vllm failed to start on another rank (see its log)")
+        error = agree_error(error)
+        if error is not None:
+            raise EngineStartError(error)
 
     # -- generation --------------------------------------------------------------------------------
     def _params(self, sampling: Sampling, i: int):
@@ -202,9 +214,9 @@ class VLLMEngine:
                 self.llm.reset_prefix_cache()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        if _agree_failed(error is not None):
-            raise RefitError(error or "rollout.engine: vllm refit failed on another rank (see its log); "
-                             "rollouts would use stale weights")
+        error = agree_error(error)
+        if error is not None:
+            raise RefitError(f"{error} (rollouts must not continue from the engine's stale weights)")
         self.refits += 1
         self.last_refit_s = time.time() - t0
 

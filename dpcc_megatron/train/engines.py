@@ -40,7 +40,7 @@ def build_vllm_engine(chunks, model_cfg, params_dtype: str, *, vocab_size: int, 
     from ..convert.hf_config import hf_config_from_model
     from ..convert.layout import all_hf_shapes
     from ..megatron.weight_export import gather_hf_weights
-    from ..rollout.vllm_engine import VLLMEngine, _agree_failed
+    from ..rollout.vllm_engine import VLLMEngine, agree_error
 
     served = dataclasses.replace(model_cfg, vocab_size=vocab_size)
     try:
@@ -59,8 +59,9 @@ def build_vllm_engine(chunks, model_cfg, params_dtype: str, *, vocab_size: int, 
             _write_model_dir(Path(model_dir), hf, pairs, expected)
         except Exception as e:
             error = str(e) if isinstance(e, EngineStartError) else f"rollout.engine: vllm: writing {model_dir}: {e}"
-    if _agree_failed(error is not None):
-        raise EngineStartError(error or "rollout.engine: vllm: the host rank could not write the model (see its log)")
+    error = agree_error(error)
+    if error is not None:
+        raise EngineStartError(error)
     return VLLMEngine(model_dir=str(model_dir), exporter=exporter, expected_shapes=expected, host=host,
                       mp_group=mp_group, dtype=_VLLM_DTYPES[params_dtype], max_model_len=model_cfg.max_seq_len,
                       seed=seed, vocab_size=vocab_size)
