@@ -98,6 +98,7 @@ def train(cfg: JobConfig) -> dict:
             if cfg.checkpoint.dir:
                 ctx.save(iteration, controller, summary)
             raise
+        ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
         rollouts: RolloutBatch = samples.rollouts
         rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
