@@ -68,7 +68,7 @@ def _bench(rank, world, args, out_dir):
             meg.generate(batch, sampling)  # warm-up
             eng.update_weights(chunks)
             eng.generate(batch, sampling)  # warm-up
-            m_times, v_times, refits, tokens = [], [], [], None
+            m_times, v_times, refits, parts, tokens = [], [], [], [], None
             for rep in range(args.repeats):  # interleaved
                 t0 = time.time()
                 m = meg.generate(batch, sampling)
@@ -78,6 +78,7 @@ def _bench(rank, world, args, out_dir):
                         p.mul_(1.0 + 1e-4)
                 eng.update_weights(chunks)
                 refits.append(eng.last_refit_s)
+                parts.append(eng.last_refit_parts)
                 t0 = time.time()
                 v = eng.generate(batch, sampling)
                 v_times.append(time.time() - t0)
@@ -91,7 +92,8 @@ def _bench(rank, world, args, out_dir):
                          "megatron_tokens_per_s": round(tokens[0] / mt, 1), "vllm_tokens_per_s": round(tokens[1] / vt, 1),
                          "vllm_over_megatron_tokens_per_s": round((tokens[1] / vt) / (tokens[0] / mt), 3),
                          "refit_s": round(rt, 4), "refit_over_rollout_time": round(rt / vt, 4),
-                         "vllm_start_s": round(start_s, 1)}
+                         "vllm_start_s": round(start_s, 1),
+                         "refit_parts_s": {k: round(statistics.median(p[k] for p in parts), 4) for k in parts[0]}}
         del chunks, meg, eng
     return results
 

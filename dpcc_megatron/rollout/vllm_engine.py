@@ -118,6 +118,8 @@ class VLLMEngine:
         self.vocab_size = vocab_size
         self.refits = 0
         self.last_refit_s = 0.0
+        self.last_refit_parts: dict = {}
+        """Seconds of the last refit's gather, in-worker reload (incl. transfer) and prefix-cache reset (host)."""
         self.llm = None
         self._sleeping = False
         error = None
@@ -198,12 +200,15 @@ class VLLMEngine:
         error = None
         try:
             pairs = self.exporter(chunks)
+            parts = {"gather_s": time.time() - t0}
             if self.host:
                 self._check(pairs)
                 if self._sleeping:
                     self.wake()
                 names = checksum_names([n for n, _ in pairs])
+                t1 = time.time()
                 reports = self.llm.collective_rpc(functools.partial(_reload_in_worker, pairs, names))
+                parts["reload_s"] = time.time() - t1
                 sent = {n: float(t[: t.shape[0]].double().sum()) for n, t in pairs if n in names}
                 for rep in reports:
                     for n, s in sent.items():
@@ -211,7 +216,9 @@ class VLLMEngine:
                         if v is None or abs(v - s) > 1e-4 * max(1.0, abs(s)):
                             raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
                                              f"sent {s:.6g}")
+                t1 = time.time()
                 self.llm.reset_prefix_cache()
+                parts["reset_cache_s"] = time.time() - t1
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         error = agree_error(error)
@@ -219,6 +226,7 @@ class VLLMEngine:
             raise RefitError(f"{error} (rollouts must not continue from the engine's stale weights)")
         self.refits += 1
         self.last_refit_s = time.time() - t0
+        self.last_refit_parts = parts
 
     # -- memory ------------------------------------------------------------------------------------
     def sleep(self) -> None:
