@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .grid import BASE_CONFIG, GRIDS, WARM_START, Grid, build_config, run_key, run_overrides
+from .grid import BASE_CONFIG, GRIDS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, testbed
 
 RESULT_VERSION = 1
 
@@ -37,30 +37,39 @@ def _write_json(path: Path, obj) -> None:
     tmp.replace(path)  # atomic: a killed runner never leaves a half-written result
 
 
-def train_once(cfg: dict, run_dir: Path, timeout_s: float) -> tuple[int, float, str]:
-    """Run the trainer on ``cfg`` in its own process; returns (exit code, wall seconds, log tail)."""
+def train_once(cfg: dict, run_dir: Path, timeout_s: float, attempts: int = 3) -> tuple[int, float, str]:
+    """Run the trainer on ``cfg`` in its own process; returns (exit code, wall seconds, log tail).
+
+    The rendezvous port is picked free but bound later by the trainer, so another process can take
+    it in between: such a start (EADDRINUSE before training) is retried on a new port, logged."""
     import yaml
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
     cmd = [sys.executable, "-m", "dpcc_megatron.cli", "train", "--config", str(cfg_path)]
-    t0 = time.time()
-    with open(run_dir / "train.log", "w") as log:
-        try:
-            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = 124
-    tail = (run_dir / "train.log").read_text(errors="replace")[-2000:]
-    return rc, time.time() - t0, tail
+    for attempt in range(1, attempts + 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(k, None)
+        t0 = time.time()
+        with open(run_dir / "train.log", "w") as log:
+            try:
+                rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = 124
+        tail = (run_dir / "train.log").read_text(errors="replace")[-2000:]
+        if rc == 0 or "EADDRINUSE" not in tail or attempt == attempts:
+            return rc, time.time() - t0, tail
+        print(f"[stability] {run_dir.name}: rendezvous port taken by another process, retrying "
+              f"({attempt}/{attempts - 1})", flush=True)
+    raise AssertionError("unreachable")
 
 
 def warm_start_spec(grid: Grid) -> dict:
-    return {"model": BASE_CONFIG["model"], "data": BASE_CONFIG["data"], "steps": grid.warm_start_steps,
-            **WARM_START}
+    """What decides the warm-start: the model and task (with the grid's overrides) and the steps."""
+    cfg = build_config(grid.extra)
+    return {"model": cfg["model"], "data": cfg["data"], "steps": grid.warm_start_steps, **WARM_START}
 
 
 def ensure_warm_start(out: Path, grid: Grid, timeout_s: float) -> Path:
@@ -71,7 +80,7 @@ def ensure_warm_start(out: Path, grid: Grid, timeout_s: float) -> Path:
     spec_path = wdir / "spec.json"
     if ckpt.is_dir() and spec_path.is_file() and json.loads(spec_path.read_text()) == spec:
         return ckpt
-    cfg = build_config({"train.iterations": 0, "train.warmup_sft_steps": spec["steps"],
+    cfg = build_config({**grid.extra, "train.iterations": 0, "train.warmup_sft_steps": spec["steps"],
                         "train.warmup_sft_lr": WARM_START["lr"], "train.seed": WARM_START["seed"],
                         "train.output_dir": str(wdir), "checkpoint.dir": str(wdir / "checkpoints")})
     print(f"[stability] warm-start ({spec['steps']} supervised steps) -> {ckpt}", flush=True)
@@ -158,7 +167,7 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
     _write_json(path, {
         "commands": commands + [command] if command not in commands else commands,
         "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(), "out": str(out), "iterations": grid.iterations,
+        "machine": machine(), "out": str(out), "iterations": grid.iterations, "testbed": grid.extra,
         "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
         "sessions": old.get("sessions", []),
     })
@@ -187,6 +196,13 @@ def select_grid(args) -> Grid:
         grid = replace(grid, seeds=args.seeds)
     if args.iterations:
         grid = replace(grid, iterations=args.iterations)
+    if args.task or args.digits or args.steps_per_iteration:  # the testbed: task, difficulty, steps
+        task = args.task or grid.extra.get("data.synthetic_task", "addition")
+        digits = args.digits or (grid.extra.get("data.synthetic_digits") if not args.task else None) \
+            or TASKS[task]["digits"]
+        mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
+        samples = BASE_CONFIG["rollout"]["prompts_per_iteration"] * BASE_CONFIG["rollout"]["group_size"]
+        grid = replace(grid, extra={**grid.extra, **testbed(task, digits, args.steps_per_iteration or samples // mini)})
     return grid
 
 
@@ -198,9 +214,16 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", type=_csv(float), help="comma list of learning rates (default: the grid's)")
     p.add_argument("--seeds", type=_csv(int), help="comma list of seeds (default: the grid's)")
     p.add_argument("--iterations", type=int, help="RL iterations per run (default: the grid's)")
+    p.add_argument("--task", choices=sorted(TASKS), help="synthetic task (default: the grid's, addition)")
+    p.add_argument("--digits", type=int, help="task difficulty: operand digits (addition) or numbers to sort "
+                                               "(sorting); default: the task's")
+    p.add_argument("--steps-per-iteration", type=int,
+                   help="optimizer steps per RL iteration (the mini-batch is the iteration's samples / N; default 2)")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one process each)")
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
+    p.add_argument("--export", metavar="FILE",
+                   help="write one JSON object per finished run of the selected grid (method, lr, seed, collapsed, ...)")
     p.add_argument("--rejudge", action="store_true",
                    help="recompute the measures of the cached results from their runs' outputs, then exit")
     args = p.parse_args(argv)
@@ -215,7 +238,7 @@ def main(argv=None) -> int:
     total = len(grid.runs())
     print(f"[stability] {total} runs in the grid, {total - len(todo)} cached, {len(todo)} to run", flush=True)
     if not todo:
-        return 0
+        return export(grid, out, args.export)
     warm = ensure_warm_start(out, grid, args.run_timeout)
     write_manifest(out, grid, argv)
     deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
@@ -240,7 +263,20 @@ def main(argv=None) -> int:
     record_session(out, finished, time.time() - t0, args.jobs)
     left = len(pending_runs(grid, out))
     print(f"[stability] done: {total - left}/{total} runs have results, {failures} failed this time", flush=True)
+    export(grid, out, args.export)
     return 1 if failures else 0
+
+
+def export(grid: Grid, out: Path, path) -> int:
+    """Write the selected grid's finished runs to ``path`` as JSON lines (nothing when ``path`` is None)."""
+    if path is None:
+        return 0
+    done = set(grid.runs()) - set(pending_runs(grid, out))
+    rows = [json.loads((out / "results" / f"{run_key(m, lr, s)}.json").read_text()) for m, lr, s in grid.runs()
+            if (m, lr, s) in done]
+    Path(path).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    print(f"[stability] exported {len(rows)} runs to {path}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from dpcc_megatron.config.algo import DPCCConfig, LossConfig
 
-from .schedule import adaptive_threshold, drift_lr_factor, early_phase_cap
+from .schedule import adaptive_threshold, drift_lr_factor, early_lr_warmup_factor, early_phase_cap
 
 _STATE_VERSION = 1
 _COUNTERS = ("observations", "nonfinite_kl", "fresh_kl_skipped", "drift_triggers", "lr_reduced_steps",
@@ -76,9 +76,19 @@ class DPCCController:
         return min(self.tau_adaptive, self.tau_cap)
 
     @property
+    def warmup_factor(self) -> float:
+        """Early-phase LR warm-up of the next step: (step + 1) / E over the E early-phase steps
+        (``early_lr_warmup``), else 1."""
+        c = self.config
+        if not c.early_lr_warmup or self.total_steps is None:
+            return 1.0
+        return early_lr_warmup_factor(self.step, self.total_steps, c.early_phase_fraction)
+
+    @property
     def lr_factor(self) -> float:
-        """Multiplier of the next step's scheduled LR (1 when drift-aware LR is off)."""
-        return self._lr_factor if self.config.drift_lr else 1.0
+        """Multiplier of the next step's scheduled LR: the drift-aware factor (1 when drift-aware LR
+        is off) times the early-phase warm-up factor."""
+        return (self._lr_factor if self.config.drift_lr else 1.0) * self.warmup_factor
 
     def loss_config(self, base: LossConfig) -> LossConfig:
         """Copy of ``base`` whose ``dpcc.tau`` is the current tau_t."""
@@ -107,7 +117,7 @@ class DPCCController:
     def advance(self) -> None:
         """One optimizer step was applied (at the current ``lr_factor`` and ``tau``)."""
         self.step += 1
-        if self.lr_factor < 1.0:
+        if self.config.drift_lr and self._lr_factor < 1.0:  # drift cuts only, not the warm-up
             self.counters["lr_reduced_steps"] += 1
         if self.tau_adaptive <= self.config.tau_min:
             self.counters["tau_floor_steps"] += 1
@@ -140,6 +150,7 @@ class DPCCController:
             "dpcc/kl": self.last_kl if self.last_kl is not None else nan,
             "dpcc/drift": self.drift if self.drift is not None else nan,
             "dpcc/lr_factor": self.lr_factor,
+            "dpcc/warmup_factor": self.warmup_factor,
             "dpcc/step": float(self.step),
         }
         out.update({f"dpcc/{k}": float(v) for k, v in self.counters.items()})

@@ -38,6 +38,18 @@ def early_phase_cap(step: int, total_steps: int, tau0: float, early_tau: float,
     return tau0
 
 
+def early_lr_warmup_factor(step: int, total_steps: int, early_fraction: float) -> float:
+    """(step + 1) / E for optimizer step ``step`` (0-based) below E = early_fraction * total_steps, else 1.
+
+    The early phase's LR warm-up: the first step of an iteration runs at ratio 1, where no
+    threshold can act, so the conservative early phase also bounds the step size.
+    """
+    early = early_fraction * total_steps
+    if step < early:
+        return min(1.0, (step + 1) / early)
+    return 1.0
+
+
 def drift_lr_factor(drift: float, threshold: float) -> float:
     """min(1, 0.5 / (drift - threshold + 1)) when drift > threshold, else 1.
 

@@ -7,9 +7,7 @@
       ref_offload: false         # reference weights in host memory between uses
       advantage: grpo            # grpo (mean/std in the group) | dr_grpo (mean only)
       dpcc:
-        tau0: 2.0
-        alpha: 5.0
-        tau_min: 1.1
+        preset: calibrated     # or paper: the method as literally specified
         early_phase_fraction: 0.2
         drift_threshold: 0.02
 
@@ -28,19 +26,39 @@ POLICY_LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "dpcc", "clip_cov",
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
+#: Values of the preset-dependent DPCC fields. ``paper`` is the method as literally specified;
+#: ``calibrated`` (the default) is the version chosen from the stability benchmark's evidence
+#: (docs/algorithm.md, "Presets"; benchmarks/stability/RESULTS.md).
+DPCC_PRESETS: dict[str, dict] = {
+    "paper": {"tau0": 2.0, "alpha": 5.0, "tau_min": 1.1, "early_tau": 1.2, "drift_score": "kl",
+              "skip_fresh_kl": False, "truncation": "clip", "early_lr_warmup": False, "drift_probe": False},
+    # tau0 = 1.28 is DAPO's clip-higher bound. alpha = 36 puts tau_t at tau_min once the smoothed KL
+    # reaches the KL target 0.005 nats/token (1 - 36 * 0.005 = 0.82 = 1.05 / 1.28): the per-step KLs of
+    # the stability runs are 1e-3..1e-2, where the paper's alpha = 5 moves tau by 0.5-5%.
+    "calibrated": {"tau0": 1.28, "alpha": 36.0, "tau_min": 1.05, "early_tau": 1.1, "drift_score": "kl_ema",
+                   "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": True, "drift_probe": True},
+}
+
+
 @dataclass
 class DPCCConfig:
     """Dynamic policy calibration: adaptive ratio threshold tau_t, early phase and drift-aware LR.
 
-    Read by: dpcc_megatron/algo/, dpcc_megatron/train/update.py, dpcc_megatron/train/metrics.py.
+    Fields left null take their value from ``preset`` when the config is built.
+
+    Read by: dpcc_megatron/algo/, dpcc_megatron/train/update.py, dpcc_megatron/train/metrics.py,
+    dpcc_megatron/train/trainer.py.
     """
 
-    tau0: float = 2.0
-    """Largest ratio threshold (the conventional hard threshold); tau_t = tau0 * (1 - alpha * D) clamped to [tau_min, tau0]."""
-    alpha: float = 5.0
-    """Sensitivity of tau_t to the smoothed KL D; 0 keeps tau_t = tau0 after the early phase."""
-    tau_min: float = 1.1
-    """Smallest threshold; must be > 1 so the trust region [1/tau, tau] never collapses."""
+    preset: Literal["calibrated", "paper"] = "calibrated"
+    """Where the null fields below take their values (DPCC_PRESETS): `calibrated` (default, chosen from
+    the stability benchmark) or `paper` (the method as literally specified, for reproduction)."""
+    tau0: Optional[float] = None
+    """Largest ratio threshold; tau_t = tau0 * (1 - alpha * D) clamped to [tau_min, tau0] (paper 2.0, calibrated 1.28)."""
+    alpha: Optional[float] = None
+    """Sensitivity of tau_t to the smoothed KL D; 0 keeps tau_t = tau0 after the early phase (paper 5, calibrated 36)."""
+    tau_min: Optional[float] = None
+    """Smallest threshold; must be > 1 so the trust region [1/tau, tau] never collapses (paper 1.1, calibrated 1.05)."""
     kl_estimator: KLEstimator = "k3"
     """Estimator (k1, k2 or k3) of the measured KL(pi_old || pi_new) token mean that drives tau_t and the
     drift score, and that the record logs as `kl_old_new`; every step computes all three."""
@@ -52,24 +70,46 @@ class DPCCConfig:
     """Share of total_steps during which tau_t is capped at early_tau; 0 disables the early phase."""
     early_relax_fraction: float = 0.1
     """Share of total_steps after the early phase over which the cap rises linearly from early_tau to tau0 (0: a step)."""
-    early_tau: float = 1.2
-    """Conservative threshold cap of the early phase, in [tau_min, tau0]."""
+    early_tau: Optional[float] = None
+    """Conservative threshold cap of the early phase, in [tau_min, tau0] (paper 1.2, calibrated 1.1)."""
+    early_lr_warmup: Optional[bool] = None
+    """Also warm the LR up linearly over the early phase (factor (step + 1) / early steps): the early cap
+    cannot act on an iteration's first step, whose ratio is exactly 1 (paper false, calibrated true)."""
     tau: Optional[float] = None
     """Internal: the threshold tau_t handed to the `dpcc` loss, set every step by
     DPCCController.loss_config(). Must be left unset in a config (refused): for a fixed threshold set
     tau0 with alpha: 0 and early_phase_fraction: 0."""
+    truncation: Optional[Literal["clip", "decay"]] = None
+    """Token weight outside [1/tau_t, tau_t]: `clip` truncates it to the boundary on both sides (paper);
+    `decay` (calibrated) keeps that on the restoring side and, on the drifting side (A > 0 and r > tau_t, or
+    A < 0 and r < 1/tau_t), lets it decay smoothly from the boundary value, never to zero."""
+    decay_power: float = 2.0
+    """`decay`: drifting-side weight = boundary weight * exp(-decay_power * (|log r| - log tau_t))."""
     drift_lr: bool = True
     """Scale the next step's LR by min(1, 0.5 / (d - theta + 1)) when the drift score d exceeds theta."""
     drift_threshold: float = 0.02
     """theta, in the units of the drift score (KL nats per token)."""
-    drift_score: Literal["kl", "kl_ema"] = "kl"
-    """d: `kl` is the KL measured after the step just taken (reacts at once); `kl_ema` is the smoothed D (steadier)."""
+    drift_score: Optional[Literal["kl", "kl_ema"]] = None
+    """d: `kl` is the KL measured after the step just taken (reacts at once, paper); `kl_ema` is the smoothed
+    D, which latches and recovers across iterations (calibrated)."""
     drift_hysteresis_steps: int = 0
     """After a trigger, keep the reduced factor for this many further steps unless a new trigger replaces it."""
-    skip_fresh_kl: bool = False
+    skip_fresh_kl: Optional[bool] = None
     """Ignore the KL of each iteration's first mini-batch: pi_old was just recomputed from the current
-    weights, so it is ~0 by construction. Off (as specified), it resets the drift score and the LR factor
-    to 1 right before the iteration's first, unclippable step; on, they carry over from the last iteration."""
+    weights, so it is ~0 by construction. Off (paper), it resets the drift score and the LR factor
+    to 1 right before the iteration's first, unclippable step; on (calibrated), they carry over."""
+    drift_probe: Optional[bool] = None
+    """After each iteration's optimizer steps, measure KL(pi_old || pi_new) with one forward-only
+    micro-batch of the iteration's first mini-batch and feed it to the controller, so drift is read even
+    with one optimizer step per iteration (paper false, calibrated true)."""
+
+    def __post_init__(self) -> None:
+        preset = DPCC_PRESETS.get(self.preset)
+        if preset is None:  # the loader refuses an unknown preset with the key named; direct use too
+            raise ValueError(f"loss.dpcc.preset must be one of {sorted(DPCC_PRESETS)}, got {self.preset!r}")
+        for name, value in preset.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
 
     def validate(self) -> None:
         check(self.tau0 > 1, "tau0", f"must be > 1, got {self.tau0}")
@@ -89,6 +129,7 @@ class DPCCConfig:
               f"is set by the DPCC controller every step and cannot be configured (got {self.tau}); "
               "for a fixed threshold set tau0 with alpha: 0, early_phase_fraction: 0 and early_relax_fraction: 0")
         check(self.drift_threshold >= 0, "drift_threshold", f"must be >= 0, got {self.drift_threshold}")
+        check(self.decay_power > 0, "decay_power", f"must be > 0, got {self.decay_power}")
         check(self.drift_hysteresis_steps >= 0, "drift_hysteresis_steps",
               f"must be >= 0, got {self.drift_hysteresis_steps}")
 

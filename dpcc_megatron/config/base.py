@@ -60,6 +60,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return _coerce(arg, value, path)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # Optional[X]: X's own message ("must be a number", "must be one of ...")
+            raise ConfigError(errors[0])
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value not in get_args(tp):

@@ -30,7 +30,9 @@ class ConsoleLogger:
         total = ctx.cfg.train.iterations
         msg = (f" iteration {r['iteration'] + 1:6d}/{total:6d} | consumed samples: {r['consumed_samples']:8d} | "
                f"reward: {_fmt(r['reward_mean'])} | base: {_fmt(r.get('reward_base_mean'))} | "
-               f"kl({r['kl_estimator']}): {_fmt(r['kl_old_new'], '.5f')} | entropy: {_fmt(r.get('entropy'))} | "
+               f"kl({r['kl_estimator']}): {_fmt(r['kl_old_new'], '.5f')} | "
+               + (f"drift kl: {_fmt(r['kl_probe'], '.5f')} | " if "kl_probe" in r else "")
+               + f"entropy: {_fmt(r.get('entropy'))} | "
                f"tau: {_fmt(r['tau'], '.3f')} | lr: {_fmt(r['lr'], '.3e')} | lr factor: {_fmt(r['lr_factor'], '.3f')} | "
                f"grad norm: {_fmt(r['grad_norm'])} | clip frac: {_fmt(r['clip_frac'])} | "
                f"sample util: {_fmt(r['sample_utilization'])} | s/iter: {_fmt(r['seconds'], '.2f')} | "

@@ -28,7 +28,7 @@ from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
 from .sampling import sample_iteration
 from .trainer_totals import total_optimizer_steps
-from .update import policy_update, sft_update
+from .update import policy_update, probe_drift, sft_update
 
 
 class _Signals:
@@ -79,6 +79,8 @@ def train(cfg: JobConfig) -> dict:
     control = MonitorControl(cfg.monitor)  # the LR scale the monitor's advice maintains
     consecutive_skips = 0
     summary: dict = {"alerts": []}
+    if cfg.loss.name == "dpcc":  # which DPCC ran: the calibrated default or the paper's literal method
+        summary["dpcc_preset"] = cfg.loss.dpcc.preset
 
     release = release_memory_enabled(cfg.train.release_memory_between_phases)
     start_iteration = ctx.resume(controller)
@@ -136,11 +138,20 @@ def train(cfg: JobConfig) -> dict:
                 consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
         gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
+        probe_kl = float("nan")
+        if cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe:  # the drift the iteration's steps made
+            first = order[:mini][:cfg.train.micro_batch_size]
+            probe_kl = probe_drift(ctx.chunks, controller, batch.select(first), cfg, dp_size=ctx.dp,
+                                   dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size)
         release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
+        if cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe:  # the probe is a step's KL too
+            record["kl_probe"] = probe_kl
+            if probe_kl == probe_kl:
+                record["kl_step_max"] = max(record.get("kl_step_max") or 0.0, probe_kl)
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None

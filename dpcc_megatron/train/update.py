@@ -90,6 +90,31 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     return StepResult(metrics, skipped, grad_norm, lr, factor, overflow)
 
 
+def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConfig, *, dp_size: int,
+                dp_group, pp_group, vocab_size: int) -> float:
+    """KL(pi_old || pi_theta) after the iteration's steps on ``batch`` (forward only), fed to the
+    controller as a drift observation (``loss.dpcc.drift_probe``); returns it (NaN if unusable).
+
+    With one optimizer step per iteration every in-step measurement is the fresh one (~0 by
+    construction), so without this the drift score and tau_t never see the step's drift."""
+    import torch
+
+    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
+    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
+    for c in chunks:
+        c.eval()
+    with torch.no_grad():
+        parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
+        outputs = run_schedule(chunks, parts, loss_fn, forward_only=True, vocab_size=vocab_size, dp_size=dp_size)
+    for c in chunks:
+        c.train()
+    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
+    nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
+    kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
+    controller.observe(kl, advance=False)
+    return kl
+
+
 def sft_update(chunks, optimizer, batch: RLBatch, cfg: JobConfig, *, dp_size: int, dp_group,
                pp_group, vocab_size: int) -> StepResult:
     zero_grads(chunks, optimizer)

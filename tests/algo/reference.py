@@ -114,14 +114,14 @@ def weighted_pg_reference(lp, old, adv, mask, weight_fn, with_logprob: bool):
             if mask[b][t]:
                 a = _per_token_adv(adv, b, t)
                 r, _ = _ratio(lp[b][t], old[b][t])
-                w = weight_fn(r)
+                w = weight_fn(r, a)
                 vals[b][t] = -w * a * (lp[b][t] if with_logprob else 1.0)
                 grads[b][t] = -w * a
     return _aggregate(vals, grads, mask, "token_mean")
 
 
 def reference(name, lp, old, adv, mask, *, clip_eps=0.2, eps_low=0.2, eps_high=0.28, dual_c=None,
-              gspo_low=3e-4, gspo_high=4e-4, cispo_high=0.28, tau=2.0):
+              gspo_low=3e-4, gspo_high=4e-4, cispo_high=0.28, tau=1.28, truncation="decay", decay_power=2.0):
     """(value, grad) of loss ``name`` on nested lists."""
     if name == "grpo":
         return ppo_reference(lp, old, adv, mask, 1 - clip_eps, 1 + clip_eps, dual_c, "seq_mean_token_mean")
@@ -132,13 +132,25 @@ def reference(name, lp, old, adv, mask, *, clip_eps=0.2, eps_low=0.2, eps_high=0
     if name == "gspo":
         return gspo_reference(lp, old, adv, mask, 1 - gspo_low, 1 + gspo_high)
     if name == "cispo":
-        return weighted_pg_reference(lp, old, adv, mask, lambda r: min(r, 1 + cispo_high), True)
+        return weighted_pg_reference(lp, old, adv, mask, lambda r, a: min(r, 1 + cispo_high), True)
     if name == "dpcc":
-        return weighted_pg_reference(lp, old, adv, mask, lambda r: min(max(r, 1 / tau), tau), False)
+        return weighted_pg_reference(lp, old, adv, mask, lambda r, a: dpcc_weight(r, a, tau, truncation, decay_power),
+                                     False)
     raise ValueError(name)
 
 
-def max_weight(name, *, tau=2.0, cispo_high=0.28):
+def dpcc_weight(r: float, a: float, tau: float, truncation: str, decay_power: float) -> float:
+    """DPCC's token weight: r truncated to [1/tau, tau]; with ``decay``, a token beyond the boundary on
+    the side its advantage pushes it to (a >= 0 and r > tau, a < 0 and r < 1/tau) gets the boundary
+    value times exp(-decay_power * (|log r| - log tau))."""
+    w = min(max(r, 1 / tau), tau)
+    drifting = (a >= 0 and r > tau) or (a < 0 and r < 1 / tau)
+    if truncation == "decay" and drifting:
+        w *= math.exp(-decay_power * (abs(math.log(r)) - math.log(tau)))
+    return w
+
+
+def max_weight(name, *, tau=1.28, cispo_high=0.28):
     """Largest |d l_t / d log pi_t| / |A_t| of one token before aggregation."""
     return {"dpcc": tau, "cispo": 1 + cispo_high}.get(name, math.exp(CLAMP))
 

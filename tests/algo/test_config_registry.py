@@ -22,18 +22,38 @@ def test_defaults():
     cfg = LossConfig()
     assert cfg.name == "dpcc" and cfg.clip_eps == 0.2 and cfg.clip_eps_high == 0.28 and cfg.dual_clip_c is None
     assert (cfg.gspo_eps_low, cfg.gspo_eps_high, cfg.cispo_eps_high) == (3e-4, 4e-4, 0.28)
-    assert cfg.dpcc.tau0 == 2.0 and cfg.dpcc.early_phase_fraction == 0.2 and cfg.dpcc.kl_estimator == "k3"
+    assert cfg.dpcc.preset == "calibrated" and cfg.dpcc.early_phase_fraction == 0.2 and cfg.dpcc.kl_estimator == "k3"
     from_dict(LossConfig, {})  # validates
+
+
+@pytest.mark.parametrize("preset", ["calibrated", "paper"])
+def test_dpcc_presets_fill_unset_fields_only(preset):
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
+    cfg = from_dict(LossConfig, {"dpcc": {"preset": preset}}).dpcc
+    assert {k: getattr(cfg, k) for k in DPCC_PRESETS[preset]} == DPCC_PRESETS[preset]
+    explicit = from_dict(LossConfig, {"dpcc": {"preset": preset, "tau0": 1.7, "truncation": "clip"}}).dpcc
+    assert explicit.tau0 == 1.7 and explicit.truncation == "clip"  # an explicit value wins over the preset
+    assert explicit.alpha == DPCC_PRESETS[preset]["alpha"]
+
+
+def test_paper_preset_is_the_literal_specification():
+    cfg = from_dict(LossConfig, {"dpcc": {"preset": "paper"}}).dpcc
+    assert (cfg.tau0, cfg.alpha, cfg.tau_min, cfg.early_tau, cfg.drift_score) == (2.0, 5.0, 1.1, 1.2, "kl")
+    assert (cfg.truncation, cfg.skip_fresh_kl, cfg.early_lr_warmup, cfg.drift_probe) == ("clip", False, False, False)
 
 
 @pytest.mark.parametrize("data,message", [
     ({"loss": {"dpcc": {"tau_min": 0.9}}}, "loss.dpcc.tau_min must be > 1, got 0.9"),
-    ({"loss": {"dpcc": {"tau_min": 2.5}}}, "loss.dpcc.tau_min must be <= tau0=2.0, got 2.5"),
-    ({"loss": {"dpcc": {"early_tau": 3.0}}}, "loss.dpcc.early_tau must be in [tau_min=1.1, tau0=2.0], got 3.0"),
+    ({"loss": {"dpcc": {"tau_min": 2.5}}}, "loss.dpcc.tau_min must be <= tau0=1.28, got 2.5"),
+    ({"loss": {"dpcc": {"early_tau": 3.0}}}, "loss.dpcc.early_tau must be in [tau_min=1.05, tau0=1.28], got 3.0"),
     ({"loss": {"dpcc": {"kl_ema_decay": 1.0}}}, "loss.dpcc.kl_ema_decay must be in [0, 1), got 1.0"),
     ({"loss": {"dpcc": {"alpha": "big"}}}, "loss.dpcc.alpha must be a number, got 'big'"),
     ({"loss": {"dpcc": {"kl_estimator": "k4"}}}, "loss.dpcc.kl_estimator must be one of"),
     ({"loss": {"dpcc": {"bogus": 1}}}, "unknown key loss.dpcc.bogus"),
+    ({"loss": {"dpcc": {"preset": "ppo"}}}, "loss.dpcc.preset must be one of"),
+    ({"loss": {"dpcc": {"truncation": "drop"}}}, "loss.dpcc.truncation must be one of"),
+    ({"loss": {"dpcc": {"decay_power": 0}}}, "loss.dpcc.decay_power must be > 0, got 0"),
     ({"loss": {"name": "ppo"}}, "loss.name must be one of"),
     ({"loss": {"dual_clip_c": 0.5}}, "loss.dual_clip_c must be > 1 or null, got 0.5"),
     ({"loss": {"clip_eps": 1.5}}, "loss.clip_eps must be in (0, 1), got 1.5"),

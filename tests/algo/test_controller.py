@@ -56,7 +56,7 @@ def test_early_phase_cap_schedule():
 
 
 def _cfg(**kw):
-    base = dict(tau0=2.0, alpha=5.0, tau_min=1.1, kl_ema_decay=0.5, total_steps=20, early_phase_fraction=0.2,
+    base = dict(preset="paper", tau0=2.0, alpha=5.0, tau_min=1.1, kl_ema_decay=0.5, total_steps=20, early_phase_fraction=0.2,
                 early_relax_fraction=0.2, early_tau=1.2, drift_threshold=0.05)
     base.update(kw)
     return DPCCConfig(**base)
@@ -221,3 +221,38 @@ def test_fresh_kl_counts_as_observation_when_not_skipped():
     ctl.observe(0.55)
     ctl.observe(0.0, fresh=True)
     assert ctl.lr_factor == 1.0 and ctl.kl_ema == pytest.approx(0.5 * 0.55)
+
+
+def test_early_lr_warmup_ramps_over_the_early_phase_then_stops():
+    from dpcc_megatron.algo.schedule import early_lr_warmup_factor
+
+    ctl = DPCCController(_cfg(early_lr_warmup=True, drift_lr=False))  # 20 steps, early phase 0.2 -> 4 steps
+    factors = []
+    for _ in range(6):
+        factors.append(ctl.lr_factor)
+        ctl.observe(0.0)
+    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert early_lr_warmup_factor(0, 10, 0.0) == 1.0  # no early phase, no warm-up
+    off = DPCCController(_cfg(early_lr_warmup=False, drift_lr=False))
+    assert off.lr_factor == 1.0 and off.counters["lr_reduced_steps"] == 0
+
+
+def test_warmup_multiplies_the_drift_factor_and_is_not_counted_as_a_drift_cut():
+    ctl = DPCCController(_cfg(early_lr_warmup=True, drift_score="kl"))
+    ctl.observe(0.55)  # drift 0.55 > 0.05: factor 0.5 / (0.55 - 0.05 + 1) = 1/3; step 1 -> warm-up 2/4
+    assert ctl.lr_factor == pytest.approx(0.5 / 1.5 * 0.5)
+    calm = DPCCController(_cfg(early_lr_warmup=True))
+    calm.observe(0.0)
+    assert calm.counters["lr_reduced_steps"] == 0  # the warm-up alone is no drift cut
+
+
+def test_calibrated_alpha_moves_tau_at_the_kl_target():
+    """The calibrated preset's tau reaches tau_min at the stated KL target (0.005 nats/token)."""
+    from dpcc_megatron.algo.schedule import adaptive_threshold
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
+    p = DPCC_PRESETS["calibrated"]
+    assert adaptive_threshold(p["tau0"], p["alpha"], 0.005, p["tau_min"]) == pytest.approx(p["tau_min"], rel=1e-3)
+    assert adaptive_threshold(p["tau0"], p["alpha"], 0.001, p["tau_min"]) < 0.97 * p["tau0"]  # reacts at 1e-3
+    q = DPCC_PRESETS["paper"]
+    assert adaptive_threshold(q["tau0"], q["alpha"], 0.001, q["tau_min"]) > 0.99 * q["tau0"]  # the paper's barely moves

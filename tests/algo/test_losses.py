@@ -50,9 +50,32 @@ def test_dual_clip_matches_reference(name):
 def test_nondefault_params_are_used(name):
     lp, old, adv, mask = make_batch(4, spread=0.0005 if name == "gspo" else 0.5)
     cfg = LossConfig(clip_eps=0.1, clip_eps_low=0.15, clip_eps_high=0.4, gspo_eps_low=1e-4, gspo_eps_high=2e-4,
-                     cispo_eps_high=0.1, dpcc=DPCCConfig(tau=1.3))
+                     cispo_eps_high=0.1, dpcc=DPCCConfig(tau=1.3, decay_power=3.0))
     _check_against_reference(name, lp, old, adv, mask, cfg, clip_eps=0.1, eps_low=0.15, eps_high=0.4,
-                             gspo_low=1e-4, gspo_high=2e-4, cispo_high=0.1, tau=1.3)
+                             gspo_low=1e-4, gspo_high=2e-4, cispo_high=0.1, tau=1.3, decay_power=3.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dpcc_paper_truncation_matches_reference(seed):
+    lp, old, adv, mask = make_batch(seed, per_token_adv=True, spread=1.0)
+    cfg = LossConfig(dpcc=DPCCConfig(preset="paper"))
+    _check_against_reference("dpcc", lp, old, adv, mask, cfg, tau=2.0, truncation="clip")
+
+
+def test_dpcc_decay_brakes_only_the_drifting_side():
+    """Beyond tau the drifting token's weight falls below the boundary value; the restoring one keeps it."""
+    lp = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, 1.0, 1.0]], dtype=torch.float64)  # r = e, e, 1/e, 1/e
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)  # drift, restore, drift, restore
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    w = {}
+    for trunc in ("clip", "decay"):
+        _, _, g = grad_of(get_policy_loss("dpcc"), lp.detach(), old, adv, mask,
+                          LossConfig(dpcc=DPCCConfig(tau=1.5, truncation=trunc)))
+        w[trunc] = (-g * 4 / adv)[0].tolist()  # per-token weight: grad = -A * w / n
+    assert w["clip"] == pytest.approx([1.5, 1.5, 1 / 1.5, 1 / 1.5])
+    k = math.exp(-2.0 * (1.0 - math.log(1.5)))
+    assert w["decay"] == pytest.approx([1.5 * k, 1.5, k / 1.5, 1 / 1.5])
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo", "gspo"])
@@ -181,7 +204,7 @@ def test_metrics_are_detached_scalars_with_exact_values(name):
 
 
 @pytest.mark.parametrize("name,bounds", [("grpo", (0.8, 1.2)), ("dapo", (0.8, 1.28)), ("dr_grpo", (0.8, 1.2)),
-                                         ("cispo", (0.0, 1.28)), ("dpcc", (0.5, 2.0))])
+                                         ("cispo", (0.0, 1.28)), ("dpcc", (1 / 1.28, 1.28))])
 def test_clip_fractions(name, bounds):
     lp, old, adv, mask = make_batch(14, spread=0.8)
     _, metrics, _ = grad_of(get_policy_loss(name), lp, old, adv, mask)
@@ -225,9 +248,9 @@ def test_dpcc_uses_tau_from_config():
     lp, old, adv, mask = make_batch(19, spread=1.0)
     base = LossConfig()
     loss_default, m_default = get_policy_loss("dpcc")(lp, old, adv, mask)
-    loss_tau0, _ = get_policy_loss("dpcc")(lp, old, adv, mask, dataclasses.replace(base, dpcc=DPCCConfig(tau=2.0)))
+    loss_tau0, _ = get_policy_loss("dpcc")(lp, old, adv, mask, dataclasses.replace(base, dpcc=DPCCConfig(tau=1.28)))
     loss_tight, m_tight = get_policy_loss("dpcc")(lp, old, adv, mask, dataclasses.replace(base, dpcc=DPCCConfig(tau=1.1)))
-    assert float(m_default["tau"]) == 2.0 and float(m_tight["tau"]) == pytest.approx(1.1)
+    assert float(m_default["tau"]) == pytest.approx(1.28) and float(m_tight["tau"]) == pytest.approx(1.1)
     assert float(loss_default) == float(loss_tau0) != float(loss_tight)
     with pytest.raises(ValueError, match="tau must be > 1"):
         get_policy_loss("dpcc")(lp, old, adv, mask, LossConfig(dpcc=DPCCConfig(tau=1.0)))

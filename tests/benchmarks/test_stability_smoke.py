@@ -75,10 +75,31 @@ def test_paired_statistics_and_grid_overrides():
     lo, hi = wilson(0, 8)
     assert lo == 0.0 and 0.3 < hi < 0.4
     grid = GRIDS["full"]
-    assert early_phase_steps(grid) == 8  # 20% of 20 iterations x 2 steps
-    assert run_overrides(grid, "dpcc-stepsize", 2e-3, 3)["optim.lr_warmup_iters"] == 8
+    assert early_phase_steps(grid) == 16  # 20% of 40 iterations x 2 steps
+    assert run_overrides(grid, "grpo-warmup", 2e-3, 3)["optim.lr_warmup_iters"] == 16
     assert run_overrides(grid, "grpo", 2e-3, 3)["loss.dpcc.drift_lr"] is False
+    assert run_overrides(grid, "dpcc-paper", 2e-3, 3)["loss.dpcc.preset"] == "paper"
     assert len({m for m, _, s in grid.runs() if s == 1}) == len(grid.methods)
+    assert set(GRIDS["core"].methods) <= set(grid.methods) and not set(GRIDS["dev"].seeds) & set(grid.seeds)
+
+
+def test_testbed_selects_task_difficulty_and_steps():
+    from benchmarks.stability.grid import build_config, testbed
+    from benchmarks.stability.run import select_grid
+    import argparse
+
+    sorting = build_config(testbed("sorting", 4, 1))
+    assert sorting["data"]["synthetic_task"] == "sorting" and sorting["data"]["synthetic_digits"] == 4
+    assert sorting["rollout"]["max_new_tokens"] == 9 and sorting["train"]["mini_batch_size"] == 64
+    assert build_config(testbed("addition", 3, 2))["rollout"]["max_new_tokens"] == 6
+    with pytest.raises(ValueError, match="steps-per-iteration"):
+        testbed("addition", 1, 3)
+    args = argparse.Namespace(grid="core", methods=None, lrs=None, seeds=None, iterations=None, task="sorting",
+                              digits=None, steps_per_iteration=1)
+    grid = select_grid(args)
+    assert grid.extra["data.synthetic_task"] == "sorting" and grid.extra["data.synthetic_digits"] == 3
+    assert early_phase_steps(grid) == 8  # one step per iteration: 20% of 40
+    assert len(grid.lrs) == 3 and len(grid.seeds) >= 16
 
 
 @pytest.mark.slow

@@ -280,7 +280,7 @@ def test_contrastive_gate_flattens_groups_without_rule_spread():
                for r in ("2", " 2", "2 ", "  2  ")]
     samples += [Sample(prompt="2+2=", response=r, task="addition", answer="4", group_id=1)
                 for r in ("4", "5", "4", "6")]
-    with DualTrackReward(RewardConfig(buffer_size=0), judge=LengthJudge()) as plain:
+    with DualTrackReward(RewardConfig(buffer_size=0, contrastive_gate="none"), judge=LengthJudge()) as plain:
         ungated = plain.score(samples)
     with DualTrackReward(RewardConfig(buffer_size=0, contrastive_gate="base_spread"), judge=LengthJudge()) as gated_reward:
         gated = gated_reward.score(samples)

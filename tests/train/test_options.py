@@ -107,3 +107,41 @@ def test_kl_k2_nonfinite_step_counters_and_reward_state(tmp_path):
         run_multirank(_options_rank, 1, args=(str(tmp_path / "again"), {**over, "train.iterations": 4}, 99),
                       timeout=300)
 
+
+
+def _probe_rank(rank, world, out, overrides):
+    import dpcc_megatron.train.trainer as trainer
+
+    seen = {}
+    real_ctl = trainer.DPCCController
+
+    def controller(*a, **k):
+        seen["controller"] = real_ctl(*a, **k)
+        return seen["controller"]
+
+    trainer.DPCCController = controller
+    summary = trainer.train(_cfg(Path(out), **overrides))
+    return summary, seen["controller"].state_dict()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["calibrated", "paper"])
+def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
+    """One step per iteration (mini-batch = the whole batch): every in-step KL is the fresh ~0 one.
+    The calibrated preset's drift probe measures the step's drift after it, so the controller sees
+    it; the paper preset, as specified, reads no drift at all (the issue's `kl(k3): 0.00000`)."""
+    over = {"train.mini_batch_size": 16, "train.iterations": 3, "train.warmup_sft_steps": 2, "optim.lr": 3e-3,
+            "loss.dpcc.preset": preset}
+    (summary, state), = run_multirank(_probe_rank, 1, args=(str(tmp_path), over), timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["dpcc_preset"] == preset and summary["steps_taken"] == 3
+    assert all(r["kl_old_new"] == pytest.approx(0.0, abs=1e-6) for r in records)  # the fresh step's KL
+    if preset == "calibrated":
+        probes = [r["kl_probe"] for r in records]
+        assert all(p > 1e-6 for p in probes)  # the step moved the policy and the probe saw it
+        assert state["counters"]["observations"] == 3 and state["counters"]["fresh_kl_skipped"] == 3
+        assert state["kl_ema"] > 1e-6 and all(r["kl_step_max"] >= p for r, p in zip(records, probes))
+    else:
+        assert all("kl_probe" not in r for r in records)
+        assert state["kl_ema"] == pytest.approx(0.0, abs=1e-6)  # drift is never read
