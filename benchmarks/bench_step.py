@@ -1,9 +1,12 @@
 """One RL update step (forward + backward + optimizer) of a tiny GPT on CPU at TP=1:
-`dpcc` against `grpo`, interleaved in one run so both see the same machine state.
+`dpcc` against `grpo`, interleaved in one run so both see the same machine state, and the
+calibrated preset's drift probe (one forward-only micro-batch after an iteration's steps).
 
     python benchmarks/bench_step.py [--steps 20]
 
-Target: DPCC overhead <= 3% (dpcc_over_grpo <= 1.03). Ends with one JSON line.
+Target: DPCC overhead <= 3% (dpcc_over_grpo <= 1.03). The probe runs once per iteration; its
+cost is printed against one step (the worst case: one optimizer step per iteration).
+Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def _rank(rank, world, steps):
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.policy_step import RLBatch
     from dpcc_megatron.testing.tiny import parallel_config, tiny_model_config
-    from dpcc_megatron.train.update import policy_update
+    from dpcc_megatron.train.update import policy_update, probe_drift
 
     B, L, V = 32, 64, 256
     cfg = JobConfig(model=tiny_model_config(hidden_size=128, ffn_hidden_size=512, max_seq_len=L),
@@ -40,7 +43,8 @@ def _rank(rank, world, steps):
                     advantages=torch.randn(B, generator=g))
     optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=10 * steps)
-    times = {"grpo": [], "dpcc": []}
+    times = {"grpo": [], "dpcc": [], "probe": []}
+    probe_batch = batch.select(torch.arange(cfg.train.micro_batch_size))
     ctl = DPCCController(cfg.loss.dpcc, total_steps=10 * steps)
     groups = dict(dp_size=1, dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                   vocab_size=V)
@@ -51,6 +55,11 @@ def _rank(rank, world, steps):
             policy_update(chunks, optimizer, scheduler, ctl, batch, cfg, **groups)
             if i >= 2:  # the first rounds warm up allocators and caches
                 times[name].append(time.perf_counter() - t0)
+        cfg.loss.name = "dpcc"
+        t0 = time.perf_counter()
+        probe_drift(chunks, ctl, probe_batch, cfg, **groups)
+        if i >= 2:
+            times["probe"].append(time.perf_counter() - t0)
     return times
 
 
@@ -66,9 +75,13 @@ def main() -> None:
     for k in ("grpo", "dpcc"):
         print(f"{k:6s} {med[k]:14.4f} {min(times[k]):8.4f}")
     ratio = med["dpcc"] / med["grpo"]
+    probe = med["probe"] / med["dpcc"]
     print(f"dpcc / grpo step time: {ratio:.3f} (target <= 1.03)")
+    print(f"drift probe / dpcc step time: {probe:.3f} (once per iteration; with K steps per iteration "
+          f"the overhead is this / K)")
     print(json.dumps({"dpcc_over_grpo": round(ratio, 4), "grpo_s_per_step": round(med["grpo"], 5),
-                      "dpcc_s_per_step": round(med["dpcc"], 5), "steps": args.steps}))
+                      "dpcc_s_per_step": round(med["dpcc"], 5), "probe_over_step": round(probe, 4),
+                      "steps": args.steps}))
 
 
 if __name__ == "__main__":

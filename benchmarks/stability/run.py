@@ -118,7 +118,7 @@ def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path
     cfg = build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
     rc, wall, tail = train_once(cfg, run_dir, timeout_s)
     result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
-              "exit_code": rc}
+              "exit_code": rc, "warm_start": warm_start_spec(grid)}
     judge(result, run_dir, grid.target_reward, wall, tail)
     _write_json(out / "results" / f"{key}.json", result)
     return result
@@ -139,15 +139,16 @@ def rejudge(out: Path) -> int:
 
 
 def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
-    """Runs of ``grid`` without a cached result of this version and the same overrides."""
-    todo = []
+    """Runs of ``grid`` without a cached result of this version, the same overrides and warm-start."""
+    todo, spec = [], warm_start_spec(grid)
     for method, lr, seed in grid.runs():
         path = out / "results" / f"{run_key(method, lr, seed)}.json"
         if path.is_file():
             try:
                 cached = json.loads(path.read_text())
                 if (cached.get("version") == RESULT_VERSION and "error" not in cached
-                        and cached.get("overrides") == run_overrides(grid, method, lr, seed)):
+                        and cached.get("overrides") == run_overrides(grid, method, lr, seed)
+                        and cached.get("warm_start", spec) == spec):  # a result from another warm-start is stale
                     continue
             except json.JSONDecodeError:
                 pass
