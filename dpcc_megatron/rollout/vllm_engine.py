@@ -15,8 +15,10 @@ refits only its own TP shard without a gather. That is not implemented or tested
 
 **Refit** (:meth:`VLLMEngine.update_weights`, every call before rollouts): the ``exporter`` gathers
 the Megatron shards to HF-named tensors on the host (:mod:`dpcc_megatron.megatron.weight_export`,
-collective), the names and shapes are checked against the model config, and the tensors go through
-the worker's in-place reload (``collective_rpc`` of :func:`_reload_in_worker`, which calls
+collective), the names and shapes are checked against the model config, the tensors are copied into
+one shared-memory file (:class:`SharedWeights`; only their names, dtypes, shapes and offsets are
+pickled through the RPC) and go through the worker's in-place reload (``collective_rpc`` of
+:func:`_reload_in_worker`, which calls
 ``model_runner.reload_weights``; CPU vLLM packs linear weights after loading, so a plain
 ``model.load_weights`` does not work), then the prefix cache is reset. The worker reports checksums
 of tensors it holds unpacked (embedding, norms, output layer); a mismatch with what was sent is a
@@ -116,6 +118,65 @@ def _reload_in_worker(pairs, names, worker):
     return out
 
 
+_ALIGN = 64
+
+
+class SharedWeights:
+    """The refit's tensors in one shared-memory file (``/dev/shm``), written by the host rank and mapped
+    by vLLM's worker on the same machine, so that only names, dtypes, shapes and offsets travel through
+    the RPC (pickled), not the weights (two pickled hops otherwise: rank -> engine core -> worker).
+    Allocated on the first refit and reused while the total size stays the same."""
+
+    def __init__(self, directory: str = "/dev/shm"):
+        self.directory = directory
+        self.path: Optional[str] = None
+        self.nbytes = 0
+        self.buf: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def usable(directory: str = "/dev/shm") -> bool:
+        return os.path.isdir(directory) and os.access(directory, os.W_OK)
+
+    def pack(self, pairs) -> tuple[str, int, list]:
+        specs, off = [], 0
+        for n, t in pairs:
+            nb = t.numel() * t.element_size()
+            specs.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
+            off += -(-nb // _ALIGN) * _ALIGN
+        if self.buf is None or off != self.nbytes:
+            self.close()
+            import uuid
+
+            self.path = os.path.join(self.directory, f"dpcc-refit-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            with open(self.path, "wb") as f:
+                f.truncate(max(off, 1))
+            self.nbytes = off
+            self.buf = torch.from_file(self.path, shared=True, size=max(off, 1), dtype=torch.uint8)
+        for (n, t), (_, _, _, o, nb) in zip(pairs, specs):
+            self.buf[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+        return self.path, self.nbytes, specs
+
+    def close(self) -> None:
+        self.buf = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+def _shared_pairs(path: str, nbytes: int, specs) -> list:
+    """Views of the host's shared-memory file (in the worker): no copy until the reload copies them in."""
+    buf = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    return [(n, buf[o:o + nb].view(getattr(torch, dt)).view(shape)) for n, dt, shape, o, nb in specs]
+
+
+def _reload_shared_in_worker(reload, path, nbytes, specs, names, worker):
+    """Runs inside vLLM's worker process: ``reload`` (:func:`_reload_in_worker`) on the shared-memory weights."""
+    return reload(_shared_pairs(path, nbytes, specs), names, worker)
+
+
 def _agree_failed(failed: bool) -> bool:
     """True on every rank when any rank failed."""
     if not dist.is_initialized():
@@ -143,11 +204,14 @@ class VLLMEngine:
 
     def __init__(self, *, model_dir: Optional[str], exporter: Callable, expected_shapes: dict, host: bool,
                  mp_group=None, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, vocab_size: Optional[int] = None):
+                 gpu_memory_utilization: float = 0.5, vocab_size: Optional[int] = None,
+                 shared_memory: bool = True):
         """Every rank constructs it (collective); the host (``host=True``) starts vLLM on ``model_dir``
         (config.json + safetensors of the initial weights). ``exporter(chunks)`` gathers the weights,
         returning HF (name, tensor) pairs on the host and None elsewhere. ``expected_shapes``: HF name ->
-        shape the model config implies; a refit sending anything else is refused."""
+        shape the model config implies; a refit sending anything else is refused. ``shared_memory``: refits
+        hand the weights to the worker through a ``/dev/shm`` file (the engine runs on the host's machine)
+        instead of pickling them through the RPC."""
         self.host = host
         self.mp_group = mp_group
         self.exporter = exporter
@@ -159,6 +223,8 @@ class VLLMEngine:
         """Seconds of the last refit's gather, in-worker reload (incl. transfer) and prefix-cache reset (host)."""
         self.llm = None
         self._sleeping = False
+        self.shared = SharedWeights() if host and shared_memory and SharedWeights.usable() else None
+        """Where refits put the weights for the worker (None: pickled through the RPC)."""
         error = None
         if host:
             try:
@@ -244,8 +310,14 @@ class VLLMEngine:
                     self.wake()
                 names = checksum_names([n for n, _ in pairs])
                 t1 = time.time()
-                reports = self.llm.collective_rpc(functools.partial(_reload_in_worker, pairs, names))
-                parts["reload_s"] = time.time() - t1
+                if self.shared is not None:  # weights through shared memory, only their layout pickled
+                    path, nbytes, specs = self.shared.pack(pairs)
+                    parts["pack_s"] = time.time() - t1
+                    rpc = functools.partial(_reload_shared_in_worker, _reload_in_worker, path, nbytes, specs, names)
+                else:
+                    rpc = functools.partial(_reload_in_worker, pairs, names)
+                reports = self.llm.collective_rpc(rpc)
+                parts["reload_s"] = time.time() - t1 - parts.get("pack_s", 0.0)
                 sent = {n: float(t[: t.shape[0]].double().sum()) for n, t in pairs if n in names}
                 for rep in reports:
                     for n, s in sent.items():
@@ -284,3 +356,5 @@ class VLLMEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+        if self.shared is not None:
+            self.shared.close()

