@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -177,6 +178,41 @@ def _reload_shared_in_worker(reload, path, nbytes, specs, names, worker):
     return reload(_shared_pairs(path, nbytes, specs), names, worker)
 
 
+def dead_engine_processes(llm) -> list[str]:
+    """vLLM's engine-core processes that have exited (name and exit code); empty while they run."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return [f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
+            for p in getattr(manager, "processes", None) or [] if p.exitcode is not None]
+
+
+def call_watched(llm, what: str, fn: Callable, poll_s: float = 0.5, grace_s: float = 2.0):
+    """``fn()`` (a call into ``llm``) while watching vLLM's engine processes: vllm 0.32's synchronous
+    client waits forever for outputs from an engine core that died (measured: SIGKILL of the engine
+    core leaves ``LLM.generate`` blocked), so a dead engine raises here instead of hanging the trainer.
+    The blocked call is left in a daemon thread; the engine cannot be used afterwards."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    th = threading.Thread(target=run, daemon=True, name=f"vllm-{what}")
+    th.start()
+    while th.is_alive():
+        th.join(poll_s)
+        dead = dead_engine_processes(llm) if th.is_alive() else []
+        if dead:
+            th.join(grace_s)  # a call already finishing gets its result
+            if th.is_alive():
+                raise RuntimeError(f"the vLLM engine died during {what}: {'; '.join(dead)}")
+    if "err" in box:
+        raise box["err"]
+    return box.get("out")
+
+
 def _agree_failed(failed: bool) -> bool:
     """True on every rank when any rank failed."""
     if not dist.is_initialized():
@@ -261,8 +297,8 @@ class VLLMEngine:
                 if not p or min(p) < 0 or max(p) >= self.vocab_size:
                     raise ValueError(f"prompts[{i}] is empty or holds ids outside the vocabulary [0, {self.vocab_size})")
         params = [self._params(sampling, i) for i in range(len(prompt_ids))]
-        res = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompt_ids], params,
-                                use_tqdm=False)
+        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompt_ids]
+        res = call_watched(self.llm, "generate", lambda: self.llm.generate(requests, params, use_tqdm=False))
         responses, logprobs, finished = [], [], []
         for r in res:
             out = r.outputs[0]
@@ -316,7 +352,7 @@ class VLLMEngine:
                     rpc = functools.partial(_reload_shared_in_worker, _reload_in_worker, path, nbytes, specs, names)
                 else:
                     rpc = functools.partial(_reload_in_worker, pairs, names)
-                reports = self.llm.collective_rpc(rpc)
+                reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
                 parts["reload_s"] = time.time() - t1 - parts.get("pack_s", 0.0)
                 sent = {n: float(t[: t.shape[0]].double().sum()) for n, t in pairs if n in names}
                 for rep in reports:
@@ -326,7 +362,7 @@ class VLLMEngine:
                             raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
                                              f"sent {s:.6g}")
                 t1 = time.time()
-                self.llm.reset_prefix_cache()
+                call_watched(self.llm, "prefix-cache reset", self.llm.reset_prefix_cache)
                 parts["reset_cache_s"] = time.time() - t1
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -342,12 +378,12 @@ class VLLMEngine:
         """GPU only (vLLM's sleep mode needs CUDA's cumem allocator): level 1 offloads the weights and drops
         the KV cache; the next refit reloads the weights anyway. No-op on CPU. Not tested here (no GPU)."""
         if self.host and torch.cuda.is_available() and not self._sleeping:
-            self.llm.sleep(level=1)
+            call_watched(self.llm, "sleep", lambda: self.llm.sleep(level=1))
             self._sleeping = True
 
     def wake(self) -> None:
         if self.host and self._sleeping:
-            self.llm.wake_up()
+            call_watched(self.llm, "wake", self.llm.wake_up)
             self._sleeping = False
 
     def close(self) -> None:

@@ -125,3 +125,24 @@ def test_shared_weights_round_trip_and_reuse(tmp_path):
         assert torch.equal(u, t)
     shm.close()
     assert not list(tmp_path.iterdir())  # the file is removed
+
+
+def test_a_dead_engine_process_is_an_error_not_a_hang():
+    """vllm's synchronous client can wait forever on a dead engine core: call_watched raises instead."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from dpcc_megatron.rollout.vllm_engine import call_watched
+
+    proc = SimpleNamespace(name="EngineCore", pid=123, exitcode=None)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[proc])))))
+    assert call_watched(llm, "generate", lambda: 7, poll_s=0.01) == 7
+    with pytest.raises(KeyError):  # the call's own errors come through
+        call_watched(llm, "generate", lambda: {}["x"], poll_s=0.01)
+    threading.Timer(0.2, lambda: setattr(proc, "exitcode", -9)).start()
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"vLLM engine died during generate: EngineCore \(pid 123\) exited with code -9"):
+        call_watched(llm, "generate", threading.Event().wait, poll_s=0.01, grace_s=0.05)  # blocks forever
+    assert time.time() - t0 < 5

@@ -11,7 +11,8 @@ PP2 x VPP2): the refit gather runs over each layout's own TP/PP groups. Per layo
   its TP1 outputs for the same weights (the single-rank reference).
 
 The fp32 job also checks stale weights before a refit, sampled tokens' log-probs against the trainer's
-recomputation, and stop tokens. The module-scoped fixtures run each job once. Skipped when vllm is
+recomputation, and stop tokens; the bf16 job ends by killing its engine (a dead engine gives every
+rank a clear error, it does not hang). The module-scoped fixtures run each job once. Skipped when vllm is
 not importable.
 """
 import importlib.util
@@ -84,6 +85,26 @@ def _trainer_logprobs(chunks, gen, prompts):
     return [lp[i][mask[i]].float() for i in range(len(prompts))] if lp is not None else None
 
 
+def _kill_engine_and_call(eng, chunks, greedy) -> dict:
+    """Kill the engine's processes (SIGKILL, on the host), then generate and refit: what each rank gets."""
+    import os
+    import signal
+    import time
+
+    if eng.host:
+        for proc in eng.llm.llm_engine.engine_core.resources.engine_manager.processes:
+            os.kill(proc.pid, signal.SIGKILL)
+    got, t0 = {}, time.time()
+    for what, call in (("generate", lambda: eng.generate(PROMPTS, greedy)), ("refit", lambda: eng.update_weights(chunks))):
+        try:
+            call()
+            got[what] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+            got[what] = f"{type(e).__name__}: {e}"
+    got["seconds"] = time.time() - t0
+    return got
+
+
 def _job(rank, world, precision, out_dir):
     import functools
 
@@ -146,6 +167,8 @@ def _job(rank, world, precision, out_dir):
                 res["stop_ids"] = (first[2], second[1])
                 res["stop2_vllm"] = eng.generate(PROMPTS, Sampling(max_new_tokens=NEW, temperature=0.0,
                                                                    stop_token_ids=res["stop_ids"]))
+            if precision == "bf16" and i == len(LAYOUTS[precision]) - 1:
+                res["dead"] = _kill_engine_and_call(eng, chunks, greedy)
             out[_name(layout)] = res
             destroy_model_parallel()
     finally:
@@ -271,3 +294,13 @@ def test_bf16_vllm_matches_megatron_within_tolerance(bf16, layout):
     gap = _max_gap(r["vllm"].logprobs, _last_stage_lp(bf16, name))
     assert gap > 0  # bf16 engines do differ: a gap of exactly 0 would mean the comparison saw one engine
     print(f"{name}: bf16 log-prob gap {gap:.3g}, {parted} greedy continuations parted at a near-tie")
+
+
+def test_dead_engine_gives_every_rank_a_clear_error(bf16):
+    """The engine's processes killed: generate and refit fail on every rank, naming the engine, without hanging."""
+    for rank_results in bf16:
+        dead = rank_results["tp1pp2"]["dead"]
+        assert dead["generate"] and dead["generate"].startswith("RuntimeError: rollout.engine: vllm generate failed")
+        assert dead["refit"] and dead["refit"].startswith("RefitError: ") and "stale weights" in dead["refit"]
+        assert dead["seconds"] < 120
+    print(bf16[0]["tp1pp2"]["dead"])
