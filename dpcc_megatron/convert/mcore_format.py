@@ -120,3 +120,12 @@ def stored_dtype(path: Path) -> torch.dtype:
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"{path} holds no embedding.word_embeddings.weight: not a GPT model checkpoint")
     return tensors["embedding.word_embeddings.weight"][1]
+
+
+def output_dtype(path: Path, requested: Optional[str]) -> tuple[str, torch.dtype]:
+    """(name, dtype) a converter writes: ``requested``, else the dtype the checkpoint stores."""
+    source = stored_dtype(path)
+    if requested is None and source not in DTYPE_NAMES:
+        raise ConversionError(f"the checkpoint stores {source}; pass --dtype fp32, bf16 or fp16")
+    name = requested or DTYPE_NAMES[source]
+    return name, DTYPES[name]
