@@ -55,10 +55,14 @@ def write_model_config(out: Path, cfg: ModelConfig, dtype: str, source: Optional
 
 
 def read_model_config(ckpt_dir: str | Path) -> ModelConfig:
-    """The ModelConfig a checkpoint was written for (dpcc_model.yaml, or a training checkpoint's
-    trainer_state.json)."""
+    """The ModelConfig a checkpoint was written for (dpcc_model.yaml, a training checkpoint's
+    trainer_state.json, or a NeMo 2 checkpoint's context/model.yaml)."""
     import yaml
 
+    from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
+
+    if is_nemo2_dir(ckpt_dir):
+        return read_nemo_checkpoint(ckpt_dir)[0]
     path = resolve_checkpoint_dir(ckpt_dir)
     if (path / MODEL_FILE).is_file():
         try:
