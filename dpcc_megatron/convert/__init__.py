@@ -45,4 +45,5 @@ def mcore_to_nemo(mcore_dir, out, **kwargs):
     return _convert(mcore_dir, out, **kwargs)
 
 
-__all__ = ["ConversionError", "hf_to_mcore", "load_mcore_checkpoint", "mcore_to_hf", "mcore_to_nemo", "read_model_config"]
+__all__ = ["ConversionError", "hf_to_mcore", "load_mcore_checkpoint", "mcore_to_hf", "mcore_to_nemo",
+           "read_model_config"]

@@ -113,16 +113,15 @@ def _load_yaml(path: Path) -> dict:
 def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int] = None) -> ModelConfig:
     """The ModelConfig of a NeMo 2 checkpoint, from ``context/model.yaml`` (no NeMo import).
 
-    ``stored_vocab_rows`` is the embedding's row count in ``weights/``: used, and said so in the
-    error-free path, only when model.yaml leaves ``config.vocab_size`` null (NeMo then took the
-    padded tokenizer size, which is what the weights hold)."""
+    ``stored_vocab_rows`` is the embedding's row count in ``weights/``, used only when model.yaml
+    leaves ``config.vocab_size`` null (NeMo then took the padded tokenizer size, which is what
+    the weights hold)."""
     path = Path(ckpt_dir) / CONTEXT_DIR / MODEL_YAML
     doc = _load_yaml(path)
     module, name = _target(doc, str(path))
     if (module, name) not in MODELS:
         supported = ", ".join(f"{m}.{n}" for m, n in MODELS)
         raise ConversionError(f"{path}: _target_ {module}.{name} is not supported; supported: {supported}")
-    family = MODELS[(module, name)]
     c = doc.get("config")
     _target(c, f"{path}: config")
     where = f"{path}: config"
@@ -134,6 +133,17 @@ def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int
             raise ConversionError(f"{where}.{field} is missing")
         return default
 
+    def number(field: str, kind: type, default: Any = ...) -> Any:
+        value = get(field, default)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (kind is int and float(value) != int(value)):
+            expected = "an integer" if kind is int else "a number"
+            raise ConversionError(f"{where}.{field} is {value!r}; expected {expected}")
+        return kind(value)
+
+    def optional_int(field: str) -> Optional[int]:
+        return None if get(field, None) is None else number(field, int)
+
     for field in _REQUIRED:
         get(field)
     for field, want in _MUST_BE.items():
@@ -141,6 +151,7 @@ def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int
         if got != want and not (isinstance(want, float) and isinstance(got, (int, float)) and float(got) == want):
             raise ConversionError(f"{where}.{field} is {got!r}; this project's Megatron model supports only "
                                   f"{want!r}")
+
     def one_of(field: str, allowed: tuple[str, ...]) -> str:
         value = get(field)
         if value not in allowed:
@@ -155,7 +166,7 @@ def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int
         raise ConversionError(f"{where}.activation_func is {act_name!r}; with gated_linear_unit={gated} "
                               f"this project's model uses {_ACTIVATIONS[gated]}")
     pos = one_of("position_embedding_type", ("rope", "learned_absolute"))
-    max_seq = int(get("seq_length"))
+    max_seq = number("seq_length", int)
     window = get("window_size", None)
     if window is not None:
         if not (isinstance(window, (list, tuple)) and len(window) == 2 and window[1] == 0 and int(window[0]) > 0):
@@ -163,25 +174,25 @@ def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int
                                   "[W, 0] (read as full attention up to W tokens) or null is supported")
         # Full attention equals a window of W for sequences of at most W tokens.
         max_seq = min(max_seq, int(window[0]))
-    rotary_base = float(get("rotary_base"))
+    rotary_base = number("rotary_base", float)
     if not rotary_base.is_integer():
         raise ConversionError(f"{where}.rotary_base is {rotary_base}; Megatron-Core's builder needs a whole number")
-    vocab = get("vocab_size", None)
+    vocab = optional_int("vocab_size")
     if vocab is None:
         if stored_vocab_rows is None:
             raise ConversionError(f"{where}.vocab_size is null (NeMo took it from the tokenizer) and the weights "
                                   "were not read to find it")
         vocab = stored_vocab_rows
     cfg = ModelConfig(
-        num_layers=int(get("num_layers")), hidden_size=int(get("hidden_size")),
-        ffn_hidden_size=int(get("ffn_hidden_size")), num_attention_heads=int(get("num_attention_heads")),
-        num_query_groups=get("num_query_groups", None), kv_channels=get("kv_channels", None), vocab_size=int(vocab),
-        make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)), max_seq_len=max_seq,
-        normalization=norm, norm_epsilon=float(get("layernorm_epsilon")), swiglu=gated,
+        num_layers=number("num_layers", int), hidden_size=number("hidden_size", int),
+        ffn_hidden_size=number("ffn_hidden_size", int), num_attention_heads=number("num_attention_heads", int),
+        num_query_groups=optional_int("num_query_groups"), kv_channels=optional_int("kv_channels"),
+        vocab_size=vocab, make_vocab_size_divisible_by=number("make_vocab_size_divisible_by", int, 128),
+        max_seq_len=max_seq, normalization=norm, norm_epsilon=number("layernorm_epsilon", float), swiglu=gated,
         add_qkv_bias=bool(get("add_qkv_bias", False)), add_bias_linear=bool(get("add_bias_linear", False)),
         position_embedding_type=pos, rotary_base=rotary_base, rope_scaling=_rope_scaling(c, where),
         tie_embeddings=bool(get("share_embeddings_and_output_weights")),
-        init_method_std=float(get("init_method_std", 0.02)))
+        init_method_std=number("init_method_std", float, 0.02))
     try:
         run_validate(cfg, "model")
     except ConfigError as e:
