@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("dpcc_megatron.commands.monitor", "metrics sidecar: serve, replay a metric stream, report"),
     "reward": ("dpcc_megatron.commands.reward", "score samples offline with the dual-track reward"),
     "plan": ("dpcc_megatron.commands.plan", "estimate per-GPU memory for a layout; --search proposes layouts"),
-    "convert": ("dpcc_megatron.commands.convert", "convert checkpoints: hf-to-mcore, mcore-to-hf, verify"),
+    "convert": ("dpcc_megatron.commands.convert", "convert checkpoints: hf-to-mcore, mcore-to-hf, mcore-to-nemo, verify"),
 }
 
 

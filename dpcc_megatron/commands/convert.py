@@ -1,10 +1,13 @@
-"""`dpcc-megatron convert`: Hugging Face <-> Megatron-Core checkpoints, and a logit parity check.
+"""`dpcc-megatron convert`: Hugging Face <-> Megatron-Core checkpoints, Megatron-Core -> NeMo 2, and a
+logit parity check.
 
     dpcc-megatron convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M] [--dtype bf16|fp16|fp32] [--overwrite]
     dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--overwrite]
+    dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--overwrite]
     dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M] [--atol X]
 
-Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory.
+Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory. NeMo 2
+checkpoints need no conversion to train from: `checkpoint.load` reads them directly.
 `verify` starts TP*PP ranks itself and ends with one JSON line; it exits 1 above tolerance.
 """
 from __future__ import annotations
@@ -51,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    p = sub.add_parser("mcore-to-nemo", help="Megatron-Core checkpoint -> NeMo 2 checkpoint (context/ + weights/)")
+    p.add_argument("--mcore", required=True, metavar="DIR",
+                   help="converted checkpoint, a training checkpoint iter_*/ or its root (follows `latest`)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output NeMo 2 checkpoint directory")
+    p.add_argument("--dtype", choices=_DTYPES, default=None, help="saved dtype (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     p = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
     p.add_argument("--hf", required=True, metavar="DIR")
     p.add_argument("--mcore", required=True, metavar="DIR")
@@ -70,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..convert.runtime import hide_cuda
 
-    if args.action in ("hf-to-mcore", "mcore-to-hf"):
+    if args.action in ("hf-to-mcore", "mcore-to-hf", "mcore-to-nemo"):
         hide_cuda()  # before torch touches CUDA: conversion is a CPU job
     from ..convert.errors import ConversionError
 
@@ -91,6 +102,13 @@ def main(args: argparse.Namespace) -> int:
             summary = mcore_to_hf(args.mcore, args.out, dtype=args.dtype, overwrite=args.overwrite,
                                   max_shard_bytes=args.max_shard_size, hf_config=args.hf_config,
                                   tokenizer=args.tokenizer, progress=not args.no_progress, log=log)
+            print(json.dumps(summary, sort_keys=True))
+            return 0
+        if args.action == "mcore-to-nemo":
+            from ..convert.mcore_to_nemo import mcore_to_nemo
+
+            summary = mcore_to_nemo(args.mcore, args.out, dtype=args.dtype, overwrite=args.overwrite,
+                                    progress=not args.no_progress, log=log)
             print(json.dumps(summary, sort_keys=True))
             return 0
         from ..convert.verify import format_report, verify

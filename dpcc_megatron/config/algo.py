@@ -173,8 +173,8 @@ class LossConfig:
     """Coefficient of the reference-policy penalty KL(pi_theta || pi_ref); > 0 builds a frozen reference
     model at the policy's layout, 0 disables both."""
     ref_model_path: Optional[str] = None
-    """Megatron checkpoint (converted or trained) of the reference policy; None: the policy's weights when
-    RL starts (after checkpoint.load and the warm-start). Needs ref_kl_coef > 0."""
+    """Megatron checkpoint (converted or trained) or NeMo 2 checkpoint of the reference policy; None: the
+    policy's weights when RL starts (after checkpoint.load and the warm-start). Needs ref_kl_coef > 0."""
     ref_offload: bool = False
     """Keep the reference weights in host memory between uses; they visit the GPU only for its forward.
     Needs ref_kl_coef > 0."""

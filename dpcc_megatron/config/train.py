@@ -202,7 +202,8 @@ class CheckpointConfig:
     dir: Optional[str] = None
     """Where to save and resume from; None disables checkpointing."""
     load: Optional[str] = None
-    """Initial weights: a converted Megatron checkpoint dir (see `convert hf-to-mcore`); None is random init."""
+    """Initial weights: a converted Megatron checkpoint dir (see `convert hf-to-mcore`), a training checkpoint,
+    or a NeMo 2 checkpoint dir (context/model.yaml + weights/, read without NeMo); None is random init."""
     save_interval: int = 0
     """Save every N iterations (0: only at the end and on signals)."""
     keep_last: int = 2

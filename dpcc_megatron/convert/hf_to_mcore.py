@@ -17,8 +17,6 @@ filesystem; they are removed at the end.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,10 +26,11 @@ import torch
 from .errors import ConversionError
 from .hf_config import architecture, check_layout, hf_dtype_name, model_config_from_hf
 from .hf_files import HFCheckpoint, copy_tokenizer_files
-from .layout import EMBED, OUTPUT, all_hf_shapes, canonical_name, hf_shapes, iter_hf_to_canonical, units
+from .layout import EMBED, OUTPUT, all_hf_shapes, hf_shapes, iter_hf_to_canonical, units
 from .mcore_format import DTYPE_NAMES, DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, write_model_config
 from .mcore_layout import meta_model
 from .runtime import check_output_dir, single_process_megatron, staged_dir
+from .staging import attach_staged, scratch_stager, staged_targets
 from .tensors import checked_cast, pad_rows
 
 
@@ -69,61 +68,6 @@ def _reader(hf: HFCheckpoint, shapes: dict, target: torch.dtype) -> Callable[[st
     return get
 
 
-class _Stager:
-    """Writes tensors raw to scratch files and maps them back, file-backed."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.files: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
-
-    def put(self, key: str, t: torch.Tensor) -> None:
-        path = self.root / f"{len(self.files):06d}.raw"
-        t.contiguous().reshape(-1).view(torch.uint8).numpy().tofile(path)
-        self.files[key] = (path, t.dtype, tuple(t.shape))
-
-    def get(self, key: str) -> torch.Tensor:
-        path, dtype, shape = self.files[key]
-        numel = torch.Size(shape).numel()
-        return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
-
-
-def _targets(sharded: dict) -> dict[str, tuple]:
-    """canonical name -> ('tensor', shape) or ('swiglu', [shape_gate, shape_up]) from the meta state dict."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    out = {}
-    for name, sh in sharded.items():
-        if isinstance(sh, ShardedObject):
-            continue
-        canon = canonical_name(name)
-        if isinstance(sh, ShardedTensor):
-            out[canon] = ("tensor", tuple(sh.local_shape))
-        elif isinstance(sh, ShardedTensorFactory) and canon.endswith("mlp.linear_fc1.weight"):
-            out[canon] = ("swiglu", [tuple(p.local_shape) for p in sh.build()])
-        else:
-            raise ConversionError(f"unexpected entry {name} ({type(sh).__name__}) in the model's sharded state dict")
-    return out
-
-
-def _attach(sharded: dict, stager: _Stager) -> dict:
-    """The sharded state dict with every tensor's data replaced by its staged, file-backed copy."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
-
-    out = {}
-    for name, sh in sharded.items():
-        canon = canonical_name(name)
-        if isinstance(sh, ShardedObject):
-            out[name] = sh
-        elif isinstance(sh, ShardedTensorFactory):
-            # Build the factory's two ShardedTensors ourselves, each over its own file: the
-            # factory would chunk one tensor into views, which the writer then clones.
-            parts = sh.build()
-            out[name] = [dataclasses.replace(p, data=stager.get(f"{canon}#{i}")) for i, p in enumerate(parts)]
-        else:
-            out[name] = dataclasses.replace(sh, data=stager.get(canon))
-    return out
-
-
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
                 overwrite: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Convert; returns a summary. Raises ConversionError for any input it cannot convert exactly."""
@@ -145,13 +89,9 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
     target = DTYPES[dtype_name]
 
     with single_process_megatron(), staged_dir(out, overwrite) as tmp:
-        scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir()
-        try:
+        with scratch_stager(out) as stager:
             sharded = meta_model(cfg, target).sharded_state_dict()
-            targets = _targets(sharded)
-            stager = _Stager(scratch)
+            targets = staged_targets(sharded)
             for unit in tqdm(units(cfg), desc="hf-to-mcore", unit="unit", disable=not progress):
                 for canon, blocks in iter_hf_to_canonical(cfg, unit, _reader(hf, hf_shapes(cfg, unit), target)):
                     kind, shape = targets[canon]
@@ -170,9 +110,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
                     stager.put(canon, t)
                 blocks = t = None  # nothing of this unit survives into the next
             log(f"writing the distributed checkpoint to {out} ...")
-            dist_checkpointing.save(_attach(sharded, stager), str(tmp))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            dist_checkpointing.save(attach_staged(sharded, stager), str(tmp))
         write_model_config(tmp, cfg, dtype_name, source={"type": "huggingface", "architecture": arch,
                                                          "path": str(Path(hf_dir).resolve()),
                                                          "converted_for": {"tp": tp, "pp": pp}})

@@ -55,10 +55,14 @@ def write_model_config(out: Path, cfg: ModelConfig, dtype: str, source: Optional
 
 
 def read_model_config(ckpt_dir: str | Path) -> ModelConfig:
-    """The ModelConfig a checkpoint was written for (dpcc_model.yaml, or a training checkpoint's
-    trainer_state.json)."""
+    """The ModelConfig a checkpoint was written for (dpcc_model.yaml, a training checkpoint's
+    trainer_state.json, or a NeMo 2 checkpoint's context/model.yaml)."""
     import yaml
 
+    from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
+
+    if is_nemo2_dir(ckpt_dir):
+        return read_nemo_checkpoint(ckpt_dir)[0]
     path = resolve_checkpoint_dir(ckpt_dir)
     if (path / MODEL_FILE).is_file():
         try:
@@ -120,3 +124,12 @@ def stored_dtype(path: Path) -> torch.dtype:
     if "embedding.word_embeddings.weight" not in tensors:
         raise ConversionError(f"{path} holds no embedding.word_embeddings.weight: not a GPT model checkpoint")
     return tensors["embedding.word_embeddings.weight"][1]
+
+
+def output_dtype(path: Path, requested: Optional[str]) -> tuple[str, torch.dtype]:
+    """(name, dtype) a converter writes: ``requested``, else the dtype the checkpoint stores."""
+    source = stored_dtype(path)
+    if requested is None and source not in DTYPE_NAMES:
+        raise ConversionError(f"the checkpoint stores {source}; pass --dtype fp32, bf16 or fp16")
+    name = requested or DTYPE_NAMES[source]
+    return name, DTYPES[name]

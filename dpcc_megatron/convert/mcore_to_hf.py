@@ -17,8 +17,8 @@ from .hf_config import architecture, hf_config_from_model, model_config_from_hf,
 from .hf_files import SafetensorsStreamWriter, copy_tokenizer_files, plan_shards
 from .layout import all_hf_shapes, canonical_to_hf, hf_shapes
 from .compat import architecture_of
-from .mcore_format import (DTYPE_NAMES, DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, read_checkpoint_info,
-                           read_model_config, resolve_checkpoint_dir, stored_dtype)
+from .mcore_format import (DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, output_dtype, read_checkpoint_info,
+                           read_model_config, resolve_checkpoint_dir)
 from .mcore_layout import iter_checkpoint_units
 from .runtime import check_output_dir, single_process_megatron, staged_dir
 from .tensors import checked_cast
@@ -58,11 +58,7 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str] 
         raise ConversionError(f"--max-shard-size must be > 0, got {max_shard_bytes}")
 
     with single_process_megatron():
-        source = stored_dtype(path)
-        if dtype is None and source not in DTYPE_NAMES:
-            raise ConversionError(f"the checkpoint stores {source}; pass --dtype fp32, bf16 or fp16")
-        dtype_name = dtype or DTYPE_NAMES[source]
-        target = DTYPES[dtype_name]
+        dtype_name, target = output_dtype(path, dtype)
         config = _hf_config(path, cfg, dtype_name, Path(hf_config) if hf_config else None)
         arch = architecture(config)
 

@@ -104,3 +104,70 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
         except SystemExit as e:  # argparse errors
             rc = e.code
     return rc, out.getvalue(), err.getvalue()
+
+
+def try_loads(attempts: dict, parallel) -> dict:
+    """In a rank of a multi-rank job: for each ``name: (checkpoint, config to build, job model
+    section or None)``, build the model at ``parallel`` and load the checkpoint into it. Returns
+    ``name: ConversionError text``, or None where it loaded."""
+    from dpcc_megatron.convert import ConversionError, load_mcore_checkpoint
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
+
+    out = {}
+    for name, (ckpt, build_cfg, job_cfg) in attempts.items():
+        init_model_parallel(parallel)
+        try:
+            load_mcore_checkpoint([build_gpt_model(build_cfg, parallel)], ckpt, job_cfg)
+            out[name] = None
+        except ConversionError as e:
+            out[name] = str(e)
+        finally:
+            destroy_model_parallel()
+    return out
+
+
+def resave(ckpt, cfg, parallel, trained, iteration: int) -> None:
+    """In a rank: load ``ckpt`` at ``parallel`` and save it with the trainer's checkpoint writer."""
+    from dpcc_megatron.config import to_dict
+    from dpcc_megatron.convert import load_mcore_checkpoint
+    from dpcc_megatron.megatron.checkpoint import save_checkpoint
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
+
+    init_model_parallel(parallel)
+    try:
+        model = build_gpt_model(cfg, parallel)
+        load_mcore_checkpoint([model], ckpt, cfg)
+        save_checkpoint(trained, iteration, [model], None, None, {"model": to_dict(cfg)})
+    finally:
+        destroy_model_parallel()
+
+
+def vpp_mismatches(cfg, ckpt) -> list[str]:
+    """In a 2-rank job: load ``ckpt`` (4 layers) at PP=2 x VPP=2 (two chunks per rank) and name every
+    parameter that differs from a TP=1/PP=1 load."""
+    from dpcc_megatron.config import ParallelConfig
+    from dpcc_megatron.convert import load_mcore_checkpoint
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
+    from dpcc_megatron.megatron.reshard import local_named_tensors, shard_like
+
+    single = ParallelConfig()
+    init_model_parallel(single)
+    try:
+        model = build_gpt_model(cfg, single)
+        load_mcore_checkpoint([model], ckpt)
+        full = local_named_tensors([model])
+    finally:
+        destroy_model_parallel()
+    vpp = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    init_model_parallel(vpp)
+    try:
+        chunks = [build_gpt_model(cfg, vpp, vp_stage=i) for i in range(2)]
+        load_mcore_checkpoint(chunks, ckpt, cfg)
+        got, want = local_named_tensors(chunks), shard_like(chunks, full, 0, 1)
+        assert set(got) == set(want) and len(got) >= 2 * 6, sorted(got)  # two layers of six tensors
+        return [name for name in got if not torch.equal(got[name], want[name])]
+    finally:
+        destroy_model_parallel()

@@ -15,7 +15,7 @@ import torch
 
 from dpcc_megatron.testing import run_multirank
 
-from .hf_models import VOCAB, build_hf, edit_weights, hf_logits, read_tensors, run_cli
+from .hf_models import VOCAB, build_hf, edit_weights, hf_logits, read_tensors, resave, run_cli, try_loads, vpp_mismatches
 
 pytestmark = pytest.mark.multirank
 
@@ -45,67 +45,20 @@ def _forwards(rank, world, cases, tokens, ckpt, trained):
     training checkpoint (the trainer's own writer) of ``ckpt`` loaded at TP=2."""
     import dataclasses
 
-    from dpcc_megatron.config import ParallelConfig, to_dict
-    from dpcc_megatron.megatron.checkpoint import save_checkpoint
-    from dpcc_megatron.convert import ConversionError, load_mcore_checkpoint, read_model_config
+    from dpcc_megatron.config import ParallelConfig
+    from dpcc_megatron.convert import read_model_config
     from dpcc_megatron.convert.verify import mcore_logits
-    from dpcc_megatron.megatron.model import build_gpt_model
-    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
 
     out = {key: mcore_logits(path, tokens, tp, pp) for key, (path, tp, pp) in cases.items()}
     cfg = read_model_config(ckpt)
     narrow = dataclasses.replace(cfg, hidden_size=cfg.hidden_size // 2, kv_channels=16)
     tp2 = ParallelConfig(tensor_model_parallel_size=2)
     # A model of another width; then a problem only rank 1 sees, which must not leave rank 0 waiting.
-    attempts = {"mismatch": (narrow, None), "one_rank": (cfg, dataclasses.replace(cfg, vocab_size=99) if rank else None)}
-    for name, (build_cfg, check_cfg) in attempts.items():
-        init_model_parallel(tp2)
-        try:
-            load_mcore_checkpoint([build_gpt_model(build_cfg, tp2)], ckpt, check_cfg)
-            out[name] = None
-        except ConversionError as e:
-            out[name] = str(e)
-        finally:
-            destroy_model_parallel()
-    init_model_parallel(tp2)
-    try:
-        model = build_gpt_model(cfg, tp2)
-        load_mcore_checkpoint([model], ckpt, cfg)
-        save_checkpoint(trained, 3, [model], None, None, {"model": to_dict(cfg)})
-    finally:
-        destroy_model_parallel()
-    out["vpp"] = _vpp_mismatches(cfg, ckpt)
+    out.update(try_loads({"mismatch": (ckpt, narrow, None),
+                          "one_rank": (ckpt, cfg, dataclasses.replace(cfg, vocab_size=99) if rank else None)}, tp2))
+    resave(ckpt, cfg, tp2, trained, 3)
+    out["vpp"] = vpp_mismatches(cfg, ckpt)
     return out
-
-
-def _vpp_mismatches(cfg, ckpt):
-    """Load at PP=2 x VPP=2 (two chunks per rank) and compare every parameter with a TP=1/PP=1 load."""
-    from megatron.core import parallel_state as ps
-
-    from dpcc_megatron.config import ParallelConfig
-    from dpcc_megatron.convert import load_mcore_checkpoint
-    from dpcc_megatron.megatron.model import build_gpt_model
-    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
-    from dpcc_megatron.megatron.reshard import local_named_tensors, shard_like
-
-    single = ParallelConfig()
-    init_model_parallel(single)
-    try:
-        model = build_gpt_model(cfg, single)
-        load_mcore_checkpoint([model], ckpt)
-        full = local_named_tensors([model])
-    finally:
-        destroy_model_parallel()
-    vpp = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    init_model_parallel(vpp)
-    try:
-        chunks = [build_gpt_model(cfg, vpp, vp_stage=i) for i in range(2)]
-        load_mcore_checkpoint(chunks, ckpt, cfg)
-        got, want = local_named_tensors(chunks), shard_like(chunks, full, 0, 1)
-        assert set(got) == set(want) and len(got) >= 2 * 6, sorted(got)  # two layers of six tensors
-        return [name for name in got if not torch.equal(got[name], want[name])]
-    finally:
-        destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")
