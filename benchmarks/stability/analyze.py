@@ -326,7 +326,9 @@ def targets_lines(results: list[dict], method: str, baseline: str = "grpo", marg
         if r["lr"] in higher:
             k, t = rate.get(r["method"], (0, 0))
             rate[r["method"]] = (k + bool(r["collapsed"]), t + 1)
-    others = {m: kt for m, kt in rate.items() if m != method and not m.startswith(method + "-")}
+    # every other method, the paper preset included; the default's own ablations and full-system arm are not rivals
+    others = {m: kt for m, kt in rate.items()
+              if m != method and not m.startswith(method + "-no-") and m != method + "-full-system"}
     mine = rate.get(method, (0, 0))
     beaten = all(mine[0] / max(mine[1], 1) < k / max(t, 1) for k, t in others.values())
     out.append(f"- Collapse rate at lr {', '.join(f'{x:g}' for x in higher)} against every other method "

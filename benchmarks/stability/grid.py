@@ -147,7 +147,7 @@ GRIDS: dict[str, Grid] = {
                 iterations=40, extra=_DEFAULT_TESTBED),
     # The first grid's testbed (the demo's 2-layer model, 20 iterations, 60 warm-start steps) on seeds
     # the first grid never used: the calibrated default measured where the paper's method was.
-    "small": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, AGGRESSIVE_LR), seeds=tuple(range(9, 17)), iterations=20,
+    "small": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, AGGRESSIVE_LR), seeds=tuple(range(9, 25)), iterations=20,
                   warm_start_steps=60, extra={**_DEFAULT_TESTBED, **_SMOKE_MODEL}),
     # The smoke grid (tests/benchmarks): two methods, one seed, a few iterations, the demo's model;
     # the test adds a GRPO run at BROKEN_LR with `--methods grpo --lrs <BROKEN_LR>`.

@@ -100,7 +100,8 @@ class DPCCConfig:
     to 1 right before the iteration's first, unclippable step; on (calibrated), they carry over."""
     drift_probe: Optional[bool] = None
     """After each iteration's optimizer steps, measure KL(pi_old || pi_new) with one forward-only
-    micro-batch of the iteration's first mini-batch and feed it to the controller, so drift is read even
+    micro-batch (PP of them with a virtual pipeline) of the iteration's first mini-batch and feed it to
+    the controller, so drift is read even
     with one optimizer step per iteration (paper false, calibrated true)."""
 
     def __post_init__(self) -> None:

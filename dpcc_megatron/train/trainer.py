@@ -28,7 +28,7 @@ from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
 from .sampling import sample_iteration
 from .trainer_totals import total_optimizer_steps
-from .update import policy_update, probe_drift, sft_update
+from .update import policy_update, probe_drift, probe_samples, sft_update
 
 
 class _Signals:
@@ -140,7 +140,7 @@ def train(cfg: JobConfig) -> dict:
         gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
         probe_kl = float("nan")
         if cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe:  # the drift the iteration's steps made
-            first = order[:mini][:cfg.train.micro_batch_size]
+            first = order[:mini][:probe_samples(cfg, mini)]
             probe_kl = probe_drift(ctx.chunks, controller, batch.select(first), cfg, dp_size=ctx.dp,
                                    dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size)
         release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone

@@ -90,6 +90,14 @@ def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batc
     return StepResult(metrics, skipped, grad_norm, lr, factor, overflow)
 
 
+def probe_samples(cfg: JobConfig, mini: int) -> int:
+    """Samples per rank the drift probe reads: one micro-batch, or with the interleaved (virtual
+    pipeline) schedule, which needs a multiple of PP micro-batches, PP of them; never more than the
+    rank's mini-batch (already a valid schedule)."""
+    micro = cfg.parallel.pipeline_model_parallel_size if cfg.parallel.virtual_pipeline_model_parallel_size else 1
+    return min(mini, micro * cfg.train.micro_batch_size)
+
+
 def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConfig, *, dp_size: int,
                 dp_group, pp_group, vocab_size: int) -> float:
     """KL(pi_old || pi_theta) after the iteration's steps on ``batch`` (forward only), fed to the

@@ -83,8 +83,10 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
                 "reward_base_std", "zero_var_frac_base"):
         assert key in records[-1], key
     assert records[-1]["mismatch_kl"] < 1e-5  # sampler and trainer run the same weights in fp32
-    # each iteration's first mini-batch (pi_old just recomputed) is the one whose KL is skipped
-    assert (records[-1]["dpcc/fresh_kl_skipped"], records[-1]["dpcc/observations"]) == (2, 2)
+    # each iteration's first mini-batch (pi_old just recomputed) is the one whose KL is skipped; the
+    # calibrated preset's drift probe adds one observation after each iteration's steps
+    assert (records[-1]["dpcc/fresh_kl_skipped"], records[-1]["dpcc/observations"]) == (2, 4)
+    assert records[-1]["kl_probe"] > 0 and records[-1]["kl_step_max"] >= records[-1]["kl_probe"]
 
 
 def test_resume_is_exact(tmp_path):
