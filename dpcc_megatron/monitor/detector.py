@@ -62,6 +62,10 @@ _TRACKED = ("entropy", "kl_old_new", "kl_ref", "mismatch_kl", "repetition_rate",
             "grad_norm", "reward_std", "zero_var_frac")
 
 
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else repr(v)
+
+
 def _default_cfg() -> Any:
     from ..config.monitor import MonitorConfig
 
@@ -96,6 +100,7 @@ class CollapseDetector:
         self.kl_estimator: Optional[str] = None
         self.records_seen = 0
         self.ignored_out_of_order = 0
+        self._judged: dict[str, str] = {}
         self._reset_windows()
 
     # ------------------------------------------------------------------ state
@@ -181,6 +186,8 @@ class CollapseDetector:
                     self.last_healthy_iteration = min(self.last_healthy_iteration, it - 1)
         self.last_iteration = it
         self.records_seen += 1
+        # which plain fields this record's rules read from a better one (named in the alert messages)
+        self._judged = {plain: better for plain, better in JUDGED_FIELDS.items() if is_finite(record.get(better))}
         record = judged_view(record)
         est = record.get("kl_estimator")
         if isinstance(est, str) and est:
@@ -345,9 +352,15 @@ class CollapseDetector:
             return ""
         if not self._no_reward_signal(rec):
             return ""
-        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
-        return (f"with no reward signal (reward_std={std!r}, zero_var_frac={zv!r}) and reward_mean {mean:.4g} "
+        return (f"with no reward signal ({self._reward_fields(rec)}) and {self._name('reward_mean')} {mean:.4g} "
                 f"below its best healthy {best:.4g} by >= {drop:g}: a template collapse")
+
+    def _name(self, plain: str) -> str:
+        """The field a rule actually read for ``plain`` in the current record (see JUDGED_FIELDS)."""
+        return self._judged.get(plain, plain)
+
+    def _reward_fields(self, rec: Mapping) -> str:
+        return ", ".join(f"{self._name(k)}={_fmt(rec.get(k))}" for k in ("reward_std", "zero_var_frac"))
 
     def _consecutive(self, rec: Mapping, key: str, threshold: Optional[float]) -> bool:
         if threshold is None:
@@ -364,12 +377,16 @@ class CollapseDetector:
         hit_ref = self._consecutive(rec, "kl_ref", c.kl_ref_threshold)
         if not (hit_new or hit_ref):
             return None
-        key, thr, what = (("kl_old_new", c.kl_threshold, "KL(pi_old||pi_new)") if hit_new
-                          else ("kl_ref", c.kl_ref_threshold, "KL to reference"))
+        step = "kl_old_new" in self._judged
+        key, thr, what = (("kl_old_new", c.kl_threshold,
+                           "largest per-step KL(pi_old||pi_new) (kl_step_max)" if step else "KL(pi_old||pi_new)")
+                          if hit_new else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "
                f"(window {c.kl_window}), latest {self._hist[key][-1][1]:.4g}")
-        return _Hit("warning", msg, key, self._window(key, c.kl_window),
-                    {"estimator": est, "threshold": thr, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref})
+        metric = "kl_step_max" if key == "kl_old_new" and step else key
+        return _Hit("warning", msg, metric, self._window(key, c.kl_window),
+                    {"estimator": est, "threshold": thr, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref,
+                     "judged_on": metric})
 
     def _rule_mismatch(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
@@ -409,10 +426,12 @@ class CollapseDetector:
             return None
         key = "reward_std" if is_finite(std) and std < c.reward_std_min else "zero_var_frac"
         mean = rec.get("reward_mean")
-        msg = (f"reward variance collapsed for {self._counters['reward']} steps "
-               f"(reward_std={std!r}, zero_var_frac={zv!r}, reward_mean={mean!r}): no learning signal")
-        return _Hit("warning", msg, key, self._window(key, c.reward_collapse_patience),
-                    {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max})
+        track = "rule-track " if "reward_std" in self._judged else ""
+        msg = (f"{track}reward variance collapsed for {self._counters['reward']} steps "
+               f"({self._reward_fields(rec)}, {self._name('reward_mean')}={_fmt(mean)}): no learning signal")
+        return _Hit("warning", msg, self._name(key), self._window(key, c.reward_collapse_patience),
+                    {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max,
+                     "judged_on": self._name(key)})
 
 
 def run_detector(records, cfg: Any = None) -> list[Alert]:

@@ -249,3 +249,29 @@ def test_rules_judge_the_rule_track_and_each_steps_own_kl():
                                                          "zero_var_frac": 0.1, "kl_old_new": 0.3, "entropy": 2.0})]
     assert not quiet  # the same run without the rule-track fields looks healthy
     assert judged_view({"reward_std": 0.2, "reward_base_std": float("nan")})["reward_std"] == 0.2
+
+
+def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
+    """The trainer sends kl_ref once a reference model exists; kl_ref_threshold judges it (its own
+    consecutive count, the same window), and the alert names the field."""
+    recs = [{"iteration": i, "kl_old_new": 0.01, "kl_step_max": 0.02, "kl_estimator": "k3",
+             "kl_ref": 0.05 * i, "entropy": 1.0} for i in range(8)]
+    off = [a for r in recs for a in CollapseDetector(MonitorConfig()).update(r)]
+    assert not off  # kl_ref_threshold unset: kl_ref alone never alerts
+    det = CollapseDetector(MonitorConfig(kl_ref_threshold=0.12, kl_window=3))
+    alerts = [a for r in recs for a in det.update(r)]
+    # above 0.12 from iteration 3 (0.15): the third consecutive one is iteration 5
+    assert [(a.rule, a.iteration, a.metric) for a in alerts] == [("kl_drift", 5, "kl_ref")]
+    assert "KL to reference (kl_ref)" in alerts[0].message and "k3" in alerts[0].message
+
+
+def test_kl_drift_alert_names_the_per_step_kl_it_read():
+    det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2))
+    alerts = [a for i in range(3) for a in det.update({"iteration": i, "kl_old_new": 0.3, "kl_step_max": 0.6})]
+    assert [(a.rule, a.metric) for a in alerts] == [("kl_drift", "kl_step_max")]
+    assert "per-step" in alerts[0].message and alerts[0].details["judged_on"] == "kl_step_max"
+    reward = CollapseDetector(MonitorConfig(reward_collapse_patience=2))
+    alerts = [a for i in range(3) for a in reward.update({"iteration": i, "reward_mean": 0.5, "reward_std": 0.3,
+                                                          "reward_base_mean": 0.1, "reward_base_std": 0.0})]
+    assert [(a.rule, a.metric) for a in alerts] == [("reward_collapse", "reward_base_std")]
+    assert alerts[0].message.startswith("rule-track reward variance collapsed")
