@@ -14,8 +14,8 @@ are informational.
 Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 
 * **recall**: collapsed streams with a confirmed critical alert no later than the iteration
-  at which the reward first falls below half its best so far (the stream's end when it never
-  does), over all collapsed streams;
+  from which the reward stays below half its best (:func:`half_reward_iteration`: on the
+  trailing 3-iteration mean; the stream's end when it never does), over all collapsed streams;
 * **precision**: those detections over all streams with a confirmed critical alert;
 * **lead**: iterations from the first confirmed critical alert to that half-reward iteration
   (collapsed streams whose reward halves); the median is reported;
@@ -28,6 +28,7 @@ The reward read is the rule track (``reward_base_mean``) when the stream has it,
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,20 +71,48 @@ class StreamResult:
 
 def _reward(rec: dict) -> Optional[float]:
     v = rec.get("reward_base_mean", rec.get("reward_mean"))
-    return float(v) if isinstance(v, (int, float)) else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def half_reward_iteration(records: list[dict]) -> Optional[int]:
-    """First iteration whose reward is below half the best reward seen before it (None: never)."""
-    best = None
-    for rec in records:
-        r = _reward(rec)
-        if r is None:
-            continue
-        if best is not None and best > 0 and r < 0.5 * best:
-            return int(rec["iteration"])
-        best = r if best is None else max(best, r)
-    return None
+#: Iterations in the trailing mean of the reward that "halving" is read on.
+SMOOTH = 3
+#: A halving must last at least this many iterations (counting its first) to the end of the stream, so
+#: a noisy reward that dips in the last few iterations of a run is not a collapse.
+MIN_TAIL = 5
+
+
+def smoothed_reward(records: list[dict], window: int = SMOOTH) -> list[Optional[float]]:
+    """Trailing mean of the (rule-track) reward over the last ``window`` iterations (fewer at the start)."""
+    vals = [_reward(r) for r in records]
+    out: list[Optional[float]] = []
+    for i in range(len(vals)):
+        chunk = [v for v in vals[max(0, i - window + 1): i + 1] if v is not None]
+        out.append(sum(chunk) / len(chunk) if chunk else None)
+    return out
+
+
+def half_reward_iteration(records: list[dict], window: int = SMOOTH, min_tail: int = MIN_TAIL) -> Optional[int]:
+    """The iteration from which the reward stays below half its best (None: it never does).
+
+    Read on the trailing ``window``-iteration mean m_t of the rule-track reward: the first t such
+    that m_s < 0.5 * max(m_0..m_s) for every s >= t, with at least ``min_tail`` iterations from t
+    to the end of the stream. A single bad batch of a noisy reward is not a halving, and neither
+    is a dip the run recovers from.
+    """
+    m = smoothed_reward(records, window)
+    below, best = [], None
+    for v in m:
+        if v is not None:
+            best = v if best is None else max(best, v)
+        below.append(v is not None and best is not None and best > 0 and v < 0.5 * best)
+    start = None
+    for i in range(len(below) - 1, -1, -1):
+        if not below[i]:
+            break
+        start = i
+    if start is None or len(below) - start < min_tail:
+        return None
+    return int(records[start]["iteration"])
 
 
 def read_labels(folder: str | Path) -> list[dict]:
