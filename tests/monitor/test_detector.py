@@ -5,6 +5,9 @@ import json
 import math
 import random
 
+import pytest
+
+from dpcc_megatron.config import ConfigError, load_config
 from dpcc_megatron.config.monitor import MonitorConfig
 from dpcc_megatron.monitor.alerts import Alert, ControlAdvice, ControlPolicy
 from dpcc_megatron.monitor.detector import CollapseDetector, run_detector
@@ -43,7 +46,7 @@ def test_high_entropy_jump_within_window_without_band():
 
 
 def test_entropy_band_is_calibrated_from_first_healthy_steps():
-    cfg = MonitorConfig(entropy_calibration_steps=10)
+    cfg = MonitorConfig(entropy_calibration_steps=10, entropy_band_relative=None)
     rng = random.Random(0)
     healthy = [4.0 + rng.uniform(-0.1, 0.1) for _ in range(10)]
     det = CollapseDetector(cfg)
@@ -54,6 +57,22 @@ def test_entropy_band_is_calibrated_from_first_healthy_steps():
     assert lo < 3.9 and hi > 4.1 and hi < 5.0
     alerts = det.update({"iteration": 10, "entropy": 6.5})
     assert rules(alerts) == [("high_entropy", 10)] and alerts[0].severity == "critical"
+
+
+def test_band_relative_to_the_first_entropy_judges_the_first_iterations():
+    """The first record is the starting policy's entropy: the band is set from it at once, so an
+    entropy that doubles within the first steps is critical without waiting for K healthy steps."""
+    cfg = MonitorConfig(entropy_band_relative=(0.4, 2.0))
+    det = CollapseDetector(cfg)
+    assert det.update({"iteration": 0, "entropy": 0.75}) == []
+    assert det.band == pytest.approx((0.3, 1.5)) and "first entropy" in det.band_source
+    alerts = det.update({"iteration": 1, "entropy": 1.6})
+    assert [(a.rule, a.severity) for a in alerts] == [("high_entropy", "critical")]
+    fixed = CollapseDetector(MonitorConfig(entropy_band=(3.5, 5.0), entropy_band_relative=(0.4, 2.0)))
+    fixed.update({"iteration": 0, "entropy": 0.75})
+    assert fixed.band == (3.5, 5.0)  # an explicit band wins
+    with pytest.raises(ConfigError, match="monitor.entropy_band_relative must be"):
+        load_config(overrides=["monitor.entropy_band_relative=[1.2,2.0]"])
 
 
 def test_low_entropy_from_repetition_of_zeros():
@@ -84,7 +103,8 @@ def _template_stream(collapsed_reward):
 
 
 def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
-    cfg = MonitorConfig(reward_collapse_patience=50)  # only low_entropy speaks; band needs 20 steps
+    # only low_entropy speaks; the band needs 20 steps
+    cfg = MonitorConfig(reward_collapse_patience=50, entropy_band_relative=None)
     alerts = [a for a in run_detector(_template_stream(0.1), cfg) if a.rule == "low_entropy"]
     # below 0.4 x 2.0 from iteration 3; patience 3 -> fires at 5, critical (reward 0.1 < 0.5 - 0.1)
     assert [(a.iteration, a.severity, a.confirmed) for a in alerts] == [(5, "critical", False),
@@ -102,7 +122,7 @@ def test_mastered_task_with_low_entropy_stays_a_warning():
 
 
 def test_entropy_floor_and_template_rule_can_be_turned_off():
-    off = MonitorConfig(reward_collapse_patience=50, entropy_floor_ratio=0.0)
+    off = MonitorConfig(reward_collapse_patience=50, entropy_floor_ratio=0.0, entropy_band_relative=None)
     assert [a for a in run_detector(_template_stream(0.1), off) if a.rule == "low_entropy"] == []
     warn_only = MonitorConfig(reward_collapse_patience=50, low_entropy_reward_drop=None)
     alerts = [a for a in run_detector(_template_stream(0.1), warn_only) if a.rule == "low_entropy"]
@@ -275,3 +295,48 @@ def test_kl_drift_alert_names_the_per_step_kl_it_read():
                                                           "reward_base_mean": 0.1, "reward_base_std": 0.0})]
     assert [(a.rule, a.metric) for a in alerts] == [("reward_collapse", "reward_base_std")]
     assert alerts[0].message.startswith("rule-track reward variance collapsed")
+
+
+def _falling_entropy(rewards):
+    """Entropy from 0.8 down to 0.08 over 20 iterations (far below a 0.4 x band), with these rewards."""
+    return [{"iteration": i, "entropy": 0.8 * (1 - 0.045 * i), "reward_mean": r, "reward_std": 0.3,
+             "zero_var_frac": 0.3} for i, r in enumerate(rewards)]
+
+
+def test_mastered_task_with_falling_entropy_is_healthy_and_no_learning_is_critical():
+    cfg = MonitorConfig(entropy_band_relative=(0.4, 2.0), mastered_reward_gain=0.1, low_entropy_patience=1,
+                        collapse_confirm_steps=2)
+    learning = _falling_entropy([0.3 + 0.035 * i for i in range(20)])  # reward 0.3 -> 0.97
+    det = CollapseDetector(cfg)
+    assert [a for r in learning for a in det.update(r)] == []
+    assert det.last_healthy_iteration == 19  # the mastered steps stay healthy (rollback targets)
+    stuck = _falling_entropy([0.3] * 20)  # same entropy curve, the reward never rose
+    alerts = run_detector(stuck, cfg)
+    # below 0.32 from iteration 14 (0.8 x 0.37): critical at once, confirmed the step after
+    assert [(a.rule, a.iteration, a.severity, a.confirmed) for a in alerts] == [
+        ("low_entropy", 14, "critical", False), ("low_entropy", 15, "critical", True)]
+    assert "without learning" in alerts[0].message
+    # without the setting the old behaviour stays: a warning for the stuck run (reward signal still there)
+    old = MonitorConfig(entropy_band_relative=(0.4, 2.0), low_entropy_patience=1)
+    assert {(a.rule, a.severity) for a in run_detector(stuck, old)} == {("low_entropy", "warning")}
+
+
+def test_solved_task_is_no_reward_collapse():
+    cfg = MonitorConfig(mastered_reward_gain=0.1, reward_collapse_patience=3)
+    solved = [{"iteration": i, "entropy": 0.8, "reward_mean": min(1.0, 0.4 + 0.1 * i), "reward_std": 0.0 if i > 5 else 0.3,
+               "zero_var_frac": 1.0 if i > 5 else 0.2} for i in range(12)]
+    assert [a for a in run_detector(solved, cfg) if a.rule == "reward_collapse"] == []
+    assert [a.rule for a in run_detector(solved, MonitorConfig(reward_collapse_patience=3))] == ["reward_collapse"]
+
+
+def test_kl_runaway_is_critical_on_one_iteration():
+    cfg = MonitorConfig(kl_critical_threshold=1.0, collapse_confirm_steps=1)
+    recs = [{"iteration": 0, "kl_old_new": 0.2, "kl_step_max": 1.5, "kl_estimator": "k3"},
+            {"iteration": 1, "kl_old_new": 0.1, "kl_step_max": 0.4}]
+    alerts = run_detector(recs, cfg)
+    # with collapse_confirm_steps 1 the first critical is the confirmed one
+    assert [(a.rule, a.iteration, a.severity, a.metric, a.confirmed) for a in alerts] == [
+        ("kl_drift", 0, "critical", "kl_step_max", True)]
+    assert "runaway" in alerts[0].message
+    assert run_detector([dict(recs[0], kl_step_max=0.9)], cfg) == []  # below it: nothing (window 3 for warnings)
+    assert run_detector(recs, MonitorConfig()) == []  # off by default
