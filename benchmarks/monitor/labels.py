@@ -1,12 +1,17 @@
 """The labelling rule of the monitor's labelled set: a written rule on the reward and entropy
 curves of a stream, applied to every stream alike (no stream is labelled by hand).
 
+Revised once, before any held-out evaluation: "m stays below half its best to the end" became
+"m is below half its best and the rest of the run averages below it", because a single lucky
+batch of the 8-prompt reward after an obvious fall undid the first form.
+
 - **Reward** r_t: the rule-track reward ``reward_base_mean`` (``reward_mean`` when absent);
   m_t its trailing mean over 3 iterations.
-- **Collapse** when the reward halves for good: there is an iteration h from which
-  m_s < 0.5 x (best m so far) for every later s, with at least 5 iterations from h to the end
+- **Collapse** when the reward halves for good: there is an iteration h, with at least 5
+  iterations from h to the end, with m_h < 0.5 x B_h (B_h: the best m up to h) and whose rewards from h to
+  the end also average below 0.5 x B_h
   (:func:`dpcc_megatron.monitor.evaluate.half_reward_iteration`, the same function the lead time
-  of ``monitor evaluate`` is measured to), or the trainer stopped on non-finite steps, or the
+  of ``monitor evaluate`` is measured to); or the trainer stopped on non-finite steps, or the
   stream carries a non-finite entropy or reward. Otherwise **healthy**, whatever the entropy does:
   a run that masters the task with a falling entropy and a high reward is healthy.
 - **onset** = h (for a non-finite stop: the first non-finite iteration, else the last iteration).

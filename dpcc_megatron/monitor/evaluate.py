@@ -14,8 +14,8 @@ are informational.
 Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 
 * **recall**: collapsed streams with a confirmed critical alert no later than the iteration
-  from which the reward stays below half its best (:func:`half_reward_iteration`: on the
-  trailing 3-iteration mean; the stream's end when it never does), over all collapsed streams;
+  from which the reward has halved for good (:func:`half_reward_iteration`: read on the trailing
+  3-iteration mean; the stream's end when it never does), over all collapsed streams;
 * **precision**: those detections over all streams with a confirmed critical alert;
 * **lead**: iterations from the first confirmed critical alert to that half-reward iteration
   (collapsed streams whose reward halves); the median is reported;
@@ -76,7 +76,7 @@ def _reward(rec: dict) -> Optional[float]:
 
 #: Iterations in the trailing mean of the reward that "halving" is read on.
 SMOOTH = 3
-#: A halving must last at least this many iterations (counting its first) to the end of the stream, so
+#: A halving must have at least this many iterations (counting its first) to the end of the stream, so
 #: a noisy reward that dips in the last few iterations of a run is not a collapse.
 MIN_TAIL = 5
 
@@ -92,27 +92,27 @@ def smoothed_reward(records: list[dict], window: int = SMOOTH) -> list[Optional[
 
 
 def half_reward_iteration(records: list[dict], window: int = SMOOTH, min_tail: int = MIN_TAIL) -> Optional[int]:
-    """The iteration from which the reward stays below half its best (None: it never does).
+    """The iteration from which the reward has halved for good (None: it never does).
 
-    Read on the trailing ``window``-iteration mean m_t of the rule-track reward: the first t such
-    that m_s < 0.5 * max(m_0..m_s) for every s >= t, with at least ``min_tail`` iterations from t
-    to the end of the stream. A single bad batch of a noisy reward is not a halving, and neither
-    is a dip the run recovers from.
+    Read on the trailing ``window``-iteration mean m_t of the rule-track reward, with B_t the best
+    m so far: the first t, at least ``min_tail`` iterations before the end of the stream, with
+    m_t < 0.5 * B_t whose rewards from t to the end also average below 0.5 * B_t. A single bad
+    batch of a noisy reward is not a halving, a dip the run recovers from is not one either, and
+    one lucky batch after the fall does not undo it.
     """
     m = smoothed_reward(records, window)
-    below, best = [], None
-    for v in m:
-        if v is not None:
-            best = v if best is None else max(best, v)
-        below.append(v is not None and best is not None and best > 0 and v < 0.5 * best)
-    start = None
-    for i in range(len(below) - 1, -1, -1):
-        if not below[i]:
-            break
-        start = i
-    if start is None or len(below) - start < min_tail:
-        return None
-    return int(records[start]["iteration"])
+    vals = [_reward(r) for r in records]
+    best = None
+    for t, v in enumerate(m):
+        if v is None:
+            continue
+        best = v if best is None else max(best, v)
+        if len(records) - t < min_tail or best <= 0 or v >= 0.5 * best:
+            continue
+        rest = [x for x in vals[t:] if x is not None]
+        if rest and sum(rest) / len(rest) < 0.5 * best:
+            return int(records[t]["iteration"])
+    return None
 
 
 def read_labels(folder: str | Path) -> list[dict]:
