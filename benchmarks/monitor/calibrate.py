@@ -7,7 +7,7 @@ setting of a small grid of detector parameters (:data:`GRID`, on top of the ship
 prints the scores of the best settings and the documented defaults from before the calibration
 (:data:`BEFORE`), and the setting it would choose: among those with no confirmed critical alert
 on a healthy dev stream and at most 2 warnings per 100 healthy dev iterations, the highest
-recall, then the longest median lead, then the fewest warnings. There is no option to read the
+recall, then a median lead of at least 3 iterations, then the most cautious (:func:`rank`). There is no option to read the
 held-out part here: report that with ``dpcc-megatron monitor evaluate --labelled DIR``.
 """
 from __future__ import annotations
@@ -37,6 +37,10 @@ GRID = {
 }
 
 
+#: The held-out target on the median lead (iterations before the reward halves).
+LEAD_TARGET = 3
+
+
 def settings():
     keys = list(GRID)
     for values in itertools.product(*(GRID[k] for k in keys)):
@@ -56,13 +60,18 @@ def feasible(s: dict) -> bool:
 
 
 def rank(row) -> tuple:
-    """Recall, then lead, then fewest warnings; ties go to the more cautious setting (longer
-    confirmation and patience, no KL runaway rule or a higher one, a wider band)."""
+    """Highest recall first; then whether the median lead reaches the target (3 iterations); then the
+    most cautious setting (longest confirmation, longest patience, widest band, highest KL runaway
+    threshold or none, largest grad-spike factor, smallest reward gain that counts as mastering), so the margin against false alarms on runs the
+    dev part does not have is as large as the dev part allows; then fewest warnings, longest lead."""
     _, ov, s = row
-    band = ov.get("entropy_band_relative") or (0.0, 99.0)
+    lo, hi = ov.get("entropy_band_relative") or (0.0, 99.0)
     kl = ov.get("kl_critical_threshold") or 99.0
-    return (s["recall"] or 0.0, s["median_lead_iterations"] or -99, -(s["warnings_per_100_healthy"] or 0.0),
-            ov.get("collapse_confirm_steps", 0), ov.get("low_entropy_patience", 0), kl, band[1] - band[0])
+    lead = s["median_lead_iterations"]
+    return (s["recall"] or 0.0, lead is not None and lead >= LEAD_TARGET, ov.get("collapse_confirm_steps", 0),
+            ov.get("low_entropy_patience", 0), hi - lo, kl, ov.get("grad_spike_factor", 0),
+            -(ov.get("mastered_reward_gain") or 0.0),
+            -(s["warnings_per_100_healthy"] or 0.0), lead or -99)
 
 
 def main(argv=None) -> int:
