@@ -79,7 +79,7 @@ class MonitorConfig:
     # --- collapse detector --------------------------------------------------------------
     entropy_band: Optional[tuple[float, float]] = None
     """Normal token-entropy band [low, high] in nats, e.g. [3.5, 5.0]; None calibrates it."""
-    entropy_band_relative: Optional[tuple[float, float]] = (0.4, 2.0)
+    entropy_band_relative: Optional[tuple[float, float]] = (0.5, 1.6)
     """When `entropy_band` is None: the band as [low, high] multiples of the first record's entropy (the
     starting policy's, measured before its first update), so a collapse in the first iterations is judged
     against it; None calibrates the band from healthy steps instead."""
@@ -102,7 +102,7 @@ class MonitorConfig:
     """Entropy below the band is critical (a template collapse, confirmable) when the learning signal is
     gone too (reward_collapse's condition) and reward_mean is at least this far below its best healthy
     value; a mastered task (reward at its best) stays a warning. None: entropy alone is always a warning."""
-    mastered_reward_gain: Optional[float] = None
+    mastered_reward_gain: Optional[float] = 0.05
     """Entropy below the band is judged against the reward: when the (rule-track) reward's mean over the last
     3 iterations is at least this much above its mean over the healthy iterations, the task is being mastered
     (no alert, the steps stay healthy); otherwise the policy turned deterministic without learning (critical,
@@ -116,14 +116,14 @@ class MonitorConfig:
     """kl_drift fires when kl_old_new exceeds this..."""
     kl_window: int = 3
     """...for this many consecutive batches."""
-    kl_critical_threshold: Optional[float] = None
+    kl_critical_threshold: Optional[float] = 1.0
     """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
     `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""
     mismatch_kl_threshold: Optional[float] = None
     """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
-    grad_spike_factor: float = 5.0
+    grad_spike_factor: float = 20.0
     """grad_spike fires when grad_norm exceeds this multiple of the recent median..."""
     grad_spike_window: int = 20
     """...of this many previous steps..."""
@@ -135,7 +135,7 @@ class MonitorConfig:
     """...as does a zero-variance group fraction at or above this..."""
     reward_collapse_patience: int = 5
     """...for this many consecutive steps."""
-    collapse_confirm_steps: int = 3
+    collapse_confirm_steps: int = 1
     """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
     alert_cooldown: int = 10
     """A rule that stays triggered re-alerts only after this many iterations."""

@@ -22,6 +22,17 @@ def rules(alerts):
     return [(a.rule, a.iteration) for a in alerts]
 
 
+#: The detector settings from before issue 21's calibration (band calibrated from healthy steps, a
+#: low-entropy stretch a warning unless a template collapse, confirmation after 3 steps, no KL runaway
+#: rule, grad spikes at 5x): the paths these still exercise are kept and tested with it.
+PRE_CALIBRATION = dict(entropy_band_relative=None, mastered_reward_gain=None, collapse_confirm_steps=3,
+                       kl_critical_threshold=None, grad_spike_factor=5.0)
+
+
+def old_cfg(**kw):
+    return MonitorConfig(**{**PRE_CALIBRATION, **kw})
+
+
 def test_high_entropy_dpcc_example_with_configured_band():
     cfg = MonitorConfig(entropy_band=(3.5, 5.0))
     alerts = run_detector(stream("entropy", [4.2, 4.1, 4.3, 4.2, 6.0, 7.8]), cfg)
@@ -36,7 +47,7 @@ def test_high_entropy_dpcc_example_with_configured_band():
 
 
 def test_high_entropy_jump_within_window_without_band():
-    cfg = MonitorConfig(entropy_calibration_steps=50)  # band not calibrated yet: jump rule only
+    cfg = old_cfg(entropy_calibration_steps=50)  # band not calibrated yet: jump rule only
     alerts = run_detector(stream("entropy", [4.2, 4.25, 4.3, 7.8]), cfg)
     assert rules(alerts) == [("high_entropy", 3)]
     assert alerts[0].severity == "warning" and alerts[0].details["jump"] > 3.0
@@ -104,7 +115,7 @@ def _template_stream(collapsed_reward):
 
 def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
     # only low_entropy speaks; the band needs 20 steps
-    cfg = MonitorConfig(reward_collapse_patience=50, entropy_band_relative=None)
+    cfg = old_cfg(reward_collapse_patience=50)
     alerts = [a for a in run_detector(_template_stream(0.1), cfg) if a.rule == "low_entropy"]
     # below 0.4 x 2.0 from iteration 3; patience 3 -> fires at 5, critical (reward 0.1 < 0.5 - 0.1)
     assert [(a.iteration, a.severity, a.confirmed) for a in alerts] == [(5, "critical", False),
@@ -115,16 +126,16 @@ def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
 
 
 def test_mastered_task_with_low_entropy_stays_a_warning():
-    cfg = MonitorConfig(reward_collapse_patience=50)
+    cfg = old_cfg(reward_collapse_patience=50)
     alerts = [a for a in run_detector(_template_stream(1.0), cfg) if a.rule == "low_entropy"]
     assert [(a.iteration, a.severity) for a in alerts] == [(5, "warning")]
     assert not any(a.confirmed for a in alerts)
 
 
 def test_entropy_floor_and_template_rule_can_be_turned_off():
-    off = MonitorConfig(reward_collapse_patience=50, entropy_floor_ratio=0.0, entropy_band_relative=None)
+    off = old_cfg(reward_collapse_patience=50, entropy_floor_ratio=0.0)
     assert [a for a in run_detector(_template_stream(0.1), off) if a.rule == "low_entropy"] == []
-    warn_only = MonitorConfig(reward_collapse_patience=50, low_entropy_reward_drop=None)
+    warn_only = old_cfg(reward_collapse_patience=50, low_entropy_reward_drop=None)
     alerts = [a for a in run_detector(_template_stream(0.1), warn_only) if a.rule == "low_entropy"]
     assert [a.severity for a in alerts] == ["warning"]
 
@@ -221,7 +232,7 @@ def _mixed_stream(n=60, seed=1):
 
 
 def test_state_dict_round_trip_continues_identically():
-    cfg = MonitorConfig(entropy_calibration_steps=10)
+    cfg = old_cfg(entropy_calibration_steps=10)
     recs = _mixed_stream()
     whole = run_detector(recs, cfg)
     det = CollapseDetector(cfg)
@@ -317,7 +328,7 @@ def test_mastered_task_with_falling_entropy_is_healthy_and_no_learning_is_critic
         ("low_entropy", 14, "critical", False), ("low_entropy", 15, "critical", True)]
     assert "without learning" in alerts[0].message
     # without the setting the old behaviour stays: a warning for the stuck run (reward signal still there)
-    old = MonitorConfig(entropy_band_relative=(0.4, 2.0), low_entropy_patience=1)
+    old = old_cfg(entropy_band_relative=(0.4, 2.0), low_entropy_patience=1)
     assert {(a.rule, a.severity) for a in run_detector(stuck, old)} == {("low_entropy", "warning")}
 
 
@@ -326,7 +337,7 @@ def test_solved_task_is_no_reward_collapse():
     solved = [{"iteration": i, "entropy": 0.8, "reward_mean": min(1.0, 0.4 + 0.1 * i), "reward_std": 0.0 if i > 5 else 0.3,
                "zero_var_frac": 1.0 if i > 5 else 0.2} for i in range(12)]
     assert [a for a in run_detector(solved, cfg) if a.rule == "reward_collapse"] == []
-    assert [a.rule for a in run_detector(solved, MonitorConfig(reward_collapse_patience=3))] == ["reward_collapse"]
+    assert [a.rule for a in run_detector(solved, old_cfg(reward_collapse_patience=3))] == ["reward_collapse"]
 
 
 def test_kl_runaway_is_critical_on_one_iteration():
@@ -339,4 +350,4 @@ def test_kl_runaway_is_critical_on_one_iteration():
         ("kl_drift", 0, "critical", "kl_step_max", True)]
     assert "runaway" in alerts[0].message
     assert run_detector([dict(recs[0], kl_step_max=0.9)], cfg) == []  # below it: nothing (window 3 for warnings)
-    assert run_detector(recs, MonitorConfig()) == []  # off by default
+    assert run_detector(recs, old_cfg()) == []  # off without the threshold
