@@ -3,7 +3,8 @@
 A run *collapsed* when the monitor's collapse detector, run over its metric stream, raises
 
 - a confirmed alert (a critical condition held ``collapse_confirm_steps`` iterations:
-  entropy above the band, repetition, non-finite values), or
+  entropy above the band, repetition, low entropy without learning, a per-step KL runaway,
+  non-finite values), or
 - ``low_entropy`` (the policy turned near-deterministic: entropy below the band for
   ``low_entropy_patience`` steps, or repetition), or
 - ``reward_collapse`` (no reward variance for ``reward_collapse_patience`` steps) while the

@@ -92,7 +92,7 @@ def main(args) -> int:
 
 
 def write_summary(out: Path, seconds: float) -> int:
-    from ..monitor.report import render_report
+    from ..monitor.report import alert_headline, render_report, severity_counts
 
     train_summary = json.loads((out / "train_summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -108,6 +108,7 @@ def write_summary(out: Path, seconds: float) -> int:
         "tau_last": train_summary.get("tau_last"),
         "lr_factor_last": train_summary.get("lr_factor_last"),
         "alerts": train_summary.get("alerts", []),
+        "alerts_by_severity": severity_counts(train_summary.get("alerts", [])),
         "steps_taken": train_summary.get("steps_taken"),
         "steps_skipped": train_summary.get("steps_skipped"),
         "lr_scale_from_monitor": train_summary.get("lr_scale_from_monitor"),
@@ -119,6 +120,7 @@ def write_summary(out: Path, seconds: float) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     render_report(records + evals, summary["alerts"], out / "report.png", title="dpcc-megatron demo")
     print(f"[demo] reward (greedy, held-out): {summary['reward_before']} -> {summary['reward_after']}")
+    print(f"[demo] monitor alerts: {alert_headline(summary['alerts'])}")
     print(f"[demo] wrote {out / 'summary.json'} and {out / 'report.png'}")
     print(json.dumps({k: summary[k] for k in ("reward_before", "reward_after", "iterations", "kl_last",
                                               "tau_last", "lr_factor_last")}))

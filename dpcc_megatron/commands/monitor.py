@@ -155,6 +155,10 @@ def _replay(args) -> int:
                              f" to iteration {advice.to_iteration}" if advice.action == "rollback" else "")
                     print(f"    -> control advice: {advice.action}{extra}")
     print(f"# {n} records, {len(alerts)} alerts", file=sys.stderr)
+    for run, det in detectors.items():  # what the rules judged against
+        band = "not set" if det.band is None else f"[{det.band[0]:.4g}, {det.band[1]:.4g}] ({det.band_source})"
+        print(f"# run {run}: entropy band {band}; last healthy iteration {det.last_healthy_iteration}",
+              file=sys.stderr)
     print(json.dumps({"alerts": [a.summary() for a in alerts]}))
     return 0
 

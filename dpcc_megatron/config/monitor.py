@@ -79,8 +79,12 @@ class MonitorConfig:
     # --- collapse detector --------------------------------------------------------------
     entropy_band: Optional[tuple[float, float]] = None
     """Normal token-entropy band [low, high] in nats, e.g. [3.5, 5.0]; None calibrates it."""
+    entropy_band_relative: Optional[tuple[float, float]] = (0.5, 1.6)
+    """When `entropy_band` is None: the band as [low, high] multiples of the first record's entropy (the
+    starting policy's, measured before its first update), so a collapse in the first iterations is judged
+    against it; None calibrates the band from healthy steps instead."""
     entropy_calibration_steps: int = 20
-    """K: healthy steps used to calibrate the band when `entropy_band` is None."""
+    """K: healthy steps used to calibrate the band when `entropy_band` and `entropy_band_relative` are None."""
     entropy_band_sigmas: float = 4.0
     """Calibrated band half-width in standard deviations of the K healthy steps..."""
     entropy_band_min_halfwidth: float = 0.15
@@ -98,6 +102,12 @@ class MonitorConfig:
     """Entropy below the band is critical (a template collapse, confirmable) when the learning signal is
     gone too (reward_collapse's condition) and reward_mean is at least this far below its best healthy
     value; a mastered task (reward at its best) stays a warning. None: entropy alone is always a warning."""
+    mastered_reward_gain: Optional[float] = 0.05
+    """Entropy below the band is judged against the reward: when the (rule-track) reward's mean over the last
+    3 iterations is at least this much above its mean over the healthy iterations, the task is being mastered
+    (no alert, the steps stay healthy); otherwise the policy turned deterministic without learning (critical,
+    confirmable). None: entropy below the band is a warning unless `low_entropy_reward_drop` makes it a
+    template collapse."""
     repetition_threshold: float = 0.5
     """low_entropy fires when repetition_rate (repeated 3/4-gram share) is at or above this."""
     longest_repeat_threshold: int = 0
@@ -106,11 +116,14 @@ class MonitorConfig:
     """kl_drift fires when kl_old_new exceeds this..."""
     kl_window: int = 3
     """...for this many consecutive batches."""
+    kl_critical_threshold: Optional[float] = 1.0
+    """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
+    `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""
     mismatch_kl_threshold: Optional[float] = None
     """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
-    grad_spike_factor: float = 5.0
+    grad_spike_factor: float = 20.0
     """grad_spike fires when grad_norm exceeds this multiple of the recent median..."""
     grad_spike_window: int = 20
     """...of this many previous steps..."""
@@ -122,7 +135,7 @@ class MonitorConfig:
     """...as does a zero-variance group fraction at or above this..."""
     reward_collapse_patience: int = 5
     """...for this many consecutive steps."""
-    collapse_confirm_steps: int = 3
+    collapse_confirm_steps: int = 1
     """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
     alert_cooldown: int = 10
     """A rule that stays triggered re-alerts only after this many iterations."""
@@ -192,6 +205,10 @@ class MonitorConfig:
             lo, hi = self.entropy_band
             check(math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi, "entropy_band",
                   f"must be [low, high] with 0 <= low < high, got {list(self.entropy_band)}")
+        if self.entropy_band_relative is not None:
+            lo, hi = self.entropy_band_relative
+            check(math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < 1 < hi, "entropy_band_relative",
+                  f"must be [low, high] with 0 <= low < 1 < high, got {list(self.entropy_band_relative)}")
         check(self.entropy_calibration_steps >= 2, "entropy_calibration_steps",
               f"must be >= 2, got {self.entropy_calibration_steps}")
         check(self.entropy_band_sigmas > 0, "entropy_band_sigmas", f"must be > 0, got {self.entropy_band_sigmas}")
@@ -204,13 +221,15 @@ class MonitorConfig:
               f"must be in [0, 1), got {self.entropy_floor_ratio}")
         check(self.low_entropy_reward_drop is None or self.low_entropy_reward_drop >= 0, "low_entropy_reward_drop",
               f"must be >= 0 or null, got {self.low_entropy_reward_drop}")
+        check(self.mastered_reward_gain is None or self.mastered_reward_gain >= 0, "mastered_reward_gain",
+              f"must be >= 0 or null, got {self.mastered_reward_gain}")
         check(0 < self.repetition_threshold <= 1, "repetition_threshold",
               f"must be in (0, 1], got {self.repetition_threshold}")
         check(self.longest_repeat_threshold >= 0, "longest_repeat_threshold",
               f"must be >= 0, got {self.longest_repeat_threshold}")
         check(self.kl_threshold > 0, "kl_threshold", f"must be > 0, got {self.kl_threshold}")
         check(self.kl_window >= 1, "kl_window", f"must be >= 1, got {self.kl_window}")
-        for name in ("kl_ref_threshold", "mismatch_kl_threshold"):
+        for name in ("kl_ref_threshold", "mismatch_kl_threshold", "kl_critical_threshold"):
             value = getattr(self, name)
             check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
         check(self.grad_spike_factor > 1, "grad_spike_factor", f"must be > 1, got {self.grad_spike_factor}")

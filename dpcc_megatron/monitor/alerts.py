@@ -15,7 +15,8 @@ anything else                              nothing (log / sinks only)
 =========================================  ===============================================
 
 A *confirmed collapse* is a critical alert (``high_entropy`` out of band,
-``low_entropy`` on repetition, ``non_finite``) whose condition held for
+``low_entropy`` on repetition or without learning, ``kl_drift`` over
+``kl_critical_threshold``, ``non_finite``) whose condition held for
 ``collapse_confirm_steps`` consecutive iterations.
 """
 from __future__ import annotations

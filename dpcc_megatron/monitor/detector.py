@@ -7,10 +7,18 @@ Rules (names are stable; see docs/monitor.md for defaults):
 - ``low_entropy``   ``repetition_rate >= repetition_threshold`` or ``longest_repeat >=
   longest_repeat_threshold`` (critical), and/or entropy below the band (before calibration:
   below ``entropy_floor_ratio`` x the healthy mean so far) for ``low_entropy_patience``
-  consecutive steps: a warning, critical when the reward signal is gone too and reward_mean
-  fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
+  consecutive steps. With ``mastered_reward_gain`` set: no alert while the reward's mean over
+  the last 3 iterations is at least that much above its mean over the healthy iterations (a
+  task being mastered; the steps stay healthy), else critical (the policy turned deterministic
+  without learning). Without it: a warning, critical when the reward signal is gone too and
+  reward_mean fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
-  (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named.
+  (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named. Critical when
+  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update).
+
+The entropy band is ``entropy_band`` when set, else ``entropy_band_relative`` x the first
+record's entropy (the starting policy's), else calibrated from the first
+``entropy_calibration_steps`` healthy steps.
 
 When a record carries the rule track's reward statistics (``reward_base_mean``,
 ``reward_base_std``, ``zero_var_frac_base``) or the iteration's largest per-step KL
@@ -20,7 +28,8 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
 - ``grad_spike``    ``grad_norm > grad_spike_factor x median`` of the previous
   ``grad_spike_window`` steps (warning).
 - ``reward_collapse`` reward variance collapsed (``reward_std < reward_std_min`` or
-  ``zero_var_frac >= zero_var_frac_max``) for ``reward_collapse_patience`` steps (warning).
+  ``zero_var_frac >= zero_var_frac_max``) for ``reward_collapse_patience`` steps (warning; not
+  while the task is being mastered in the sense of ``mastered_reward_gain``).
 - ``sampler_mismatch`` ``mismatch_kl > mismatch_kl_threshold`` for ``kl_window`` batches
   (warning; off unless the threshold is set).
 
@@ -59,7 +68,13 @@ def judged_view(record: Mapping) -> dict:
             view[plain] = record[better]
     return view
 _TRACKED = ("entropy", "kl_old_new", "kl_ref", "mismatch_kl", "repetition_rate", "longest_repeat",
-            "grad_norm", "reward_std", "zero_var_frac")
+            "grad_norm", "reward_std", "zero_var_frac", "reward_mean")
+#: Iterations in the trailing mean of the (judged) reward that the low-entropy rule compares.
+REWARD_SMOOTH = 3
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else repr(v)
 
 
 def _default_cfg() -> Any:
@@ -93,9 +108,12 @@ class CollapseDetector:
         self.last_iteration: Optional[int] = None
         self.last_healthy_iteration: Optional[int] = None
         self.best_healthy_reward: Optional[float] = None
+        self.healthy_reward_sum, self.healthy_reward_n = 0.0, 0
         self.kl_estimator: Optional[str] = None
         self.records_seen = 0
         self.ignored_out_of_order = 0
+        self._judged: dict[str, str] = {}
+        self._mastered = False
         self._reset_windows()
 
     # ------------------------------------------------------------------ state
@@ -121,6 +139,7 @@ class CollapseDetector:
             "last_iteration": self.last_iteration,
             "last_healthy_iteration": self.last_healthy_iteration,
             "best_healthy_reward": self.best_healthy_reward,
+            "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
             "records_seen": self.records_seen,
             "ignored_out_of_order": self.ignored_out_of_order,
@@ -146,6 +165,7 @@ class CollapseDetector:
         self.last_iteration = state.get("last_iteration")
         self.last_healthy_iteration = state.get("last_healthy_iteration")
         self.best_healthy_reward = state.get("best_healthy_reward")
+        self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
         self.records_seen = int(state.get("records_seen", 0))
         self.ignored_out_of_order = int(state.get("ignored_out_of_order", 0))
@@ -181,17 +201,25 @@ class CollapseDetector:
                     self.last_healthy_iteration = min(self.last_healthy_iteration, it - 1)
         self.last_iteration = it
         self.records_seen += 1
+        # which plain fields this record's rules read from a better one (named in the alert messages)
+        self._judged = {plain: better for plain, better in JUDGED_FIELDS.items() if is_finite(record.get(better))}
         record = judged_view(record)
         est = record.get("kl_estimator")
         if isinstance(est, str) and est:
             self.kl_estimator = est
 
         vals = {k: record.get(k) for k in _TRACKED}
+        rel = getattr(self.cfg, "entropy_band_relative", None)
+        if self.band_source is None and rel is not None and is_finite(vals["entropy"]) and vals["entropy"] > 0:
+            # the first record's entropy is the starting policy's (measured before its update)
+            e0 = float(vals["entropy"])
+            self.band, self.band_source = (rel[0] * e0, rel[1] * e0), f"{rel[0]:g}-{rel[1]:g} x the first entropy"
         for k, v in vals.items():
             if is_finite(v):
                 self._hist[k].append((it, float(v)))
 
         hits: dict[str, _Hit] = {}
+        self._mastered = False
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
                          ("low_entropy", self._rule_low_entropy), ("kl_drift", self._rule_kl),
                          ("sampler_mismatch", self._rule_mismatch), ("grad_spike", self._rule_grad_spike),
@@ -202,12 +230,16 @@ class CollapseDetector:
 
         alerts = self._fire(hits, it)
         # A step below the entropy floor whose patience has not run out yet is not healthy either:
-        # it must not calibrate the band, raise the best reward, or become the rollback target.
-        if not hits and self._counters["below_band"] == 0:
+        # it must not calibrate the band, raise the best reward, or become the rollback target
+        # (unless the task is being mastered: low entropy with a reward that rose, see _rule_low_entropy).
+        if not hits and (self._counters["below_band"] == 0 or self._mastered):
             self.last_healthy_iteration = it
             r = record.get("reward_mean")
             if is_finite(r) and (self.best_healthy_reward is None or r > self.best_healthy_reward):
                 self.best_healthy_reward = float(r)
+            if is_finite(r) and not self._mastered:
+                self.healthy_reward_sum += float(r)
+                self.healthy_reward_n += 1
             e = vals["entropy"]
             if self.band_source is None and is_finite(e):
                 self._calib.append(float(e))
@@ -316,6 +348,17 @@ class CollapseDetector:
             self._counters["below_band"] = self._counters["below_band"] + 1 if e < floor else 0
             if self._counters["below_band"] >= c.low_entropy_patience:
                 template = self._template_collapse(rec)
+                gain = getattr(c, "mastered_reward_gain", None)
+                learned = self._learned(gain) if gain is not None else None
+                if learned is not None and learned[0] and not template:
+                    # a task being mastered: entropy falls because the reward rose (healthy, no alert)
+                    self._mastered = True
+                    return _Hit(severity, "; ".join(reasons), metric, self._window(metric, c.collapse_confirm_steps),
+                                details) if severity else None
+                if learned is not None and not template:
+                    template = (f"while the {self._name('reward_mean')} mean of the last {REWARD_SMOOTH} "
+                                f"iterations ({learned[1]:.4g}) is not {gain:g} above its healthy mean "
+                                f"({learned[2]:.4g}): the policy turned deterministic without learning")
                 severity = "critical" if template else (severity or "warning")
                 metric = metric or "entropy"
                 where = (f"the band [{self.band[0]:.4g}, {self.band[1]:.4g}]" if self.band is not None else
@@ -328,6 +371,14 @@ class CollapseDetector:
             return None
         n = max(c.low_entropy_patience, 1) if metric == "entropy" else max(c.collapse_confirm_steps, 1)
         return _Hit(severity, "; ".join(reasons), metric, self._window(metric, n), details)
+
+    def _learned(self, gain: float) -> Optional[tuple]:
+        """(learned?, recent reward mean, healthy reward mean), or None before any healthy reward."""
+        recent = [v for _, v in list(self._hist["reward_mean"])[-REWARD_SMOOTH:]]
+        if not recent or self.healthy_reward_n == 0:
+            return None
+        now, ref = statistics.fmean(recent), self.healthy_reward_sum / self.healthy_reward_n
+        return now >= ref + gain, now, ref
 
     def _entropy_floor(self) -> Optional[float]:
         """Lower edge of normal entropy: the band's, or before calibration a fraction of the healthy mean."""
@@ -345,9 +396,15 @@ class CollapseDetector:
             return ""
         if not self._no_reward_signal(rec):
             return ""
-        std, zv = rec.get("reward_std"), rec.get("zero_var_frac")
-        return (f"with no reward signal (reward_std={std!r}, zero_var_frac={zv!r}) and reward_mean {mean:.4g} "
+        return (f"with no reward signal ({self._reward_fields(rec)}) and {self._name('reward_mean')} {mean:.4g} "
                 f"below its best healthy {best:.4g} by >= {drop:g}: a template collapse")
+
+    def _name(self, plain: str) -> str:
+        """The field a rule actually read for ``plain`` in the current record (see JUDGED_FIELDS)."""
+        return self._judged.get(plain, plain)
+
+    def _reward_fields(self, rec: Mapping) -> str:
+        return ", ".join(f"{self._name(k)}={_fmt(rec.get(k))}" for k in ("reward_std", "zero_var_frac"))
 
     def _consecutive(self, rec: Mapping, key: str, threshold: Optional[float]) -> bool:
         if threshold is None:
@@ -362,14 +419,27 @@ class CollapseDetector:
         est = self.kl_estimator or "unspecified"
         hit_new = self._consecutive(rec, "kl_old_new", c.kl_threshold)
         hit_ref = self._consecutive(rec, "kl_ref", c.kl_ref_threshold)
-        if not (hit_new or hit_ref):
+        crit = getattr(c, "kl_critical_threshold", None)
+        kl = rec.get("kl_old_new")
+        runaway = crit is not None and is_finite(kl) and kl > crit
+        if not (hit_new or hit_ref or runaway):
             return None
-        key, thr, what = (("kl_old_new", c.kl_threshold, "KL(pi_old||pi_new)") if hit_new
-                          else ("kl_ref", c.kl_ref_threshold, "KL to reference"))
+        step = "kl_old_new" in self._judged
+        what_new = "largest per-step KL(pi_old||pi_new) (kl_step_max)" if step else "KL(pi_old||pi_new)"
+        metric_new = "kl_step_max" if step else "kl_old_new"
+        details = {"estimator": est, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref}
+        if runaway:
+            msg = (f"{what_new} [estimator {est}] {kl:.4g} > {crit:g} (kl_critical_threshold) in one iteration: "
+                   f"a runaway update")
+            details.update(threshold=crit, judged_on=metric_new)
+            return _Hit("critical", msg, metric_new, self._window("kl_old_new", c.kl_window), details)
+        key, thr, what = (("kl_old_new", c.kl_threshold, what_new) if hit_new
+                          else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "
                f"(window {c.kl_window}), latest {self._hist[key][-1][1]:.4g}")
-        return _Hit("warning", msg, key, self._window(key, c.kl_window),
-                    {"estimator": est, "threshold": thr, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref})
+        metric = metric_new if key == "kl_old_new" else key
+        details.update(threshold=thr, judged_on=metric)
+        return _Hit("warning", msg, metric, self._window(key, c.kl_window), details)
 
     def _rule_mismatch(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
@@ -407,12 +477,18 @@ class CollapseDetector:
         self._counters["reward"] = self._counters["reward"] + 1 if self._no_reward_signal(rec) else 0
         if self._counters["reward"] < c.reward_collapse_patience:
             return None
+        gain = getattr(c, "mastered_reward_gain", None)
+        learned = self._learned(gain) if gain is not None else None
+        if learned is not None and learned[0]:
+            return None  # uniform groups because the task is solved, not because the signal is lost
         key = "reward_std" if is_finite(std) and std < c.reward_std_min else "zero_var_frac"
         mean = rec.get("reward_mean")
-        msg = (f"reward variance collapsed for {self._counters['reward']} steps "
-               f"(reward_std={std!r}, zero_var_frac={zv!r}, reward_mean={mean!r}): no learning signal")
-        return _Hit("warning", msg, key, self._window(key, c.reward_collapse_patience),
-                    {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max})
+        track = "rule-track " if "reward_std" in self._judged else ""
+        msg = (f"{track}reward variance collapsed for {self._counters['reward']} steps "
+               f"({self._reward_fields(rec)}, {self._name('reward_mean')}={_fmt(mean)}): no learning signal")
+        return _Hit("warning", msg, self._name(key), self._window(key, c.reward_collapse_patience),
+                    {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max,
+                     "judged_on": self._name(key)})
 
 
 def run_detector(records, cfg: Any = None) -> list[Alert]:

@@ -14,8 +14,8 @@ are informational.
 Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 
 * **recall**: collapsed streams with a confirmed critical alert no later than the iteration
-  at which the reward first falls below half its best so far (the stream's end when it never
-  does), over all collapsed streams;
+  from which the reward has halved for good (:func:`half_reward_iteration`: read on the trailing
+  3-iteration mean; the stream's end when it never does), over all collapsed streams;
 * **precision**: those detections over all streams with a confirmed critical alert;
 * **lead**: iterations from the first confirmed critical alert to that half-reward iteration
   (collapsed streams whose reward halves); the median is reported;
@@ -28,6 +28,7 @@ The reward read is the rule track (``reward_base_mean``) when the stream has it,
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,19 +71,47 @@ class StreamResult:
 
 def _reward(rec: dict) -> Optional[float]:
     v = rec.get("reward_base_mean", rec.get("reward_mean"))
-    return float(v) if isinstance(v, (int, float)) else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def half_reward_iteration(records: list[dict]) -> Optional[int]:
-    """First iteration whose reward is below half the best reward seen before it (None: never)."""
+#: Iterations in the trailing mean of the reward that "halving" is read on.
+SMOOTH = 3
+#: A halving must have at least this many iterations (counting its first) to the end of the stream, so
+#: a noisy reward that dips in the last few iterations of a run is not a collapse.
+MIN_TAIL = 5
+
+
+def smoothed_reward(records: list[dict], window: int = SMOOTH) -> list[Optional[float]]:
+    """Trailing mean of the (rule-track) reward over the last ``window`` iterations (fewer at the start)."""
+    vals = [_reward(r) for r in records]
+    out: list[Optional[float]] = []
+    for i in range(len(vals)):
+        chunk = [v for v in vals[max(0, i - window + 1): i + 1] if v is not None]
+        out.append(sum(chunk) / len(chunk) if chunk else None)
+    return out
+
+
+def half_reward_iteration(records: list[dict], window: int = SMOOTH, min_tail: int = MIN_TAIL) -> Optional[int]:
+    """The iteration from which the reward has halved for good (None: it never does).
+
+    Read on the trailing ``window``-iteration mean m_t of the rule-track reward, with B_t the best
+    m so far: the first t, at least ``min_tail`` iterations before the end of the stream, with
+    m_t < 0.5 * B_t whose rewards from t to the end also average below 0.5 * B_t. A single bad
+    batch of a noisy reward is not a halving, a dip the run recovers from is not one either, and
+    one lucky batch after the fall does not undo it.
+    """
+    m = smoothed_reward(records, window)
+    vals = [_reward(r) for r in records]
     best = None
-    for rec in records:
-        r = _reward(rec)
-        if r is None:
+    for t, v in enumerate(m):
+        if v is None:
             continue
-        if best is not None and best > 0 and r < 0.5 * best:
-            return int(rec["iteration"])
-        best = r if best is None else max(best, r)
+        best = v if best is None else max(best, v)
+        if len(records) - t < min_tail or best <= 0 or v >= 0.5 * best:
+            continue
+        rest = [x for x in vals[t:] if x is not None]
+        if rest and sum(rest) / len(rest) < 0.5 * best:
+            return int(records[t]["iteration"])
     return None
 
 

@@ -1,6 +1,15 @@
 """Training report: entropy, KL, tau_t, LR factor, reward, held-out eval reward, repetition and
 sampler/trainer mismatch over iterations, with alert markers. PNG, or HTML embedding the PNG.
 
+The panels show what the detector's rules read: the KL panel has each iteration's largest
+per-step KL (``kl_step_max``, what ``kl_drift`` judges) next to the iteration mean, and the reward
+panel the rule track (``reward_base_mean``, what reward and template collapse are judged on).
+
+Alerts are marked by severity so that a warning never looks like a collapse (:func:`alert_style`):
+a confirmed collapse is a thick solid red line through every panel, an unconfirmed critical a
+thin dashed red line, a warning only a short orange tick at the top edge of each panel. The title
+counts them (:func:`alert_headline`) and the HTML table colours its rows the same way.
+
 Records of kind ``eval`` (the trainer's ``eval.jsonl``) feed the eval panel; every other panel
 reads the ``train`` records.
 
@@ -18,10 +27,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 PANELS: list[tuple[str, Sequence[str], str]] = [
     ("Token entropy (nats)", ("entropy",), "entropy"),
-    ("KL", ("kl_old_new", "kl_ref"), "kl"),
+    ("KL", ("kl_old_new", "kl_step_max", "kl_ref"), "kl"),
     ("DPCC τ_t", ("tau",), "tau"),
     ("LR factor", ("lr_factor",), "lr_factor"),
-    ("Reward (mean ± std)", ("reward_mean",), "reward"),
+    ("Reward (mean ± std; rule track)", ("reward_mean", "reward_base_mean"), "reward"),
     ("Eval reward (held-out)", ("reward_greedy", "pass_at_1"), "eval"),
     ("Repetition rate", ("repetition_rate",), "repetition"),
     ("Sampler/trainer mismatch KL", ("mismatch_kl",), "mismatch"),
@@ -37,6 +46,53 @@ def _num(v: Any) -> float:
 
 def _alert_dict(a: Any) -> dict:
     return a.to_dict() if hasattr(a, "to_dict") else dict(a)
+
+
+def severity_of(alert: dict) -> str:
+    """``confirmed`` (a confirmed collapse), ``critical``, ``warning`` or ``info``."""
+    if alert.get("confirmed"):
+        return "confirmed"
+    sev = alert.get("severity")
+    return sev if sev in ("critical", "warning") else "info"
+
+
+#: How each severity is drawn: colour, line style, width, vertical extent (axes fraction), label.
+_STYLES = {
+    "confirmed": {"color": _SEV_COLOR["critical"], "ls": "-", "lw": 2.4, "ymin": 0.0, "ymax": 1.0,
+                  "label": "confirmed collapse"},
+    "critical": {"color": _SEV_COLOR["critical"], "ls": "--", "lw": 1.0, "ymin": 0.0, "ymax": 1.0,
+                 "label": "critical"},
+    "warning": {"color": _SEV_COLOR["warning"], "ls": "-", "lw": 2.0, "ymin": 0.9, "ymax": 1.0,
+                "label": "warning"},
+    "info": {"color": _SEV_COLOR["info"], "ls": ":", "lw": 0.8, "ymin": 0.94, "ymax": 1.0, "label": "info"},
+}
+
+
+def alert_style(alert: Any) -> dict:
+    """Marker style of one alert: only criticals cross the panels; a warning is a tick at the top."""
+    return dict(_STYLES[severity_of(_alert_dict(alert))])
+
+
+def severity_counts(alerts: Sequence[Any]) -> dict:
+    counts = {k: 0 for k in _STYLES}
+    for a in alerts:
+        counts[severity_of(_alert_dict(a))] += 1
+    return counts
+
+
+def alert_headline(alerts: Sequence[Any]) -> str:
+    """E.g. ``1 confirmed collapse, 2 critical, 11 warnings`` (``no alerts`` when empty)."""
+    c = severity_counts(alerts)
+    parts = []
+    if c["confirmed"]:
+        parts.append(f"{c['confirmed']} confirmed collapse" + ("s" if c["confirmed"] > 1 else ""))
+    if c["critical"]:
+        parts.append(f"{c['critical']} critical")
+    if c["warning"]:
+        parts.append(f"{c['warning']} warning" + ("s" if c["warning"] > 1 else ""))
+    if c["info"]:
+        parts.append(f"{c['info']} info")
+    return ", ".join(parts) or "no alerts"
 
 
 def _segments(records: Iterable[dict], kind: str = "train") -> list[list[dict]]:
@@ -93,25 +149,36 @@ def render_figure_png(records: Sequence[dict], alerts: Sequence[Any] = (), title
         ax.set_ylabel(label, fontsize=8)
         ax.grid(True, alpha=0.3)
         for a in alerts:
-            ax.axvline(a.get("iteration", 0), color=_SEV_COLOR.get(a.get("severity"), "#7f7f7f"),
-                       lw=1.6 if a.get("confirmed") else 0.9, ls="-" if a.get("confirmed") else "--", alpha=0.8)
+            st = alert_style(a)
+            ax.axvline(a.get("iteration", 0), color=st["color"], ls=st["ls"], lw=st["lw"], ymin=st["ymin"],
+                       ymax=st["ymax"])
         handles, _ = ax.get_legend_handles_labels()
         if handles:
             ax.legend(fontsize=7, loc="upper left")
     top = axes[0]
     seen: set = set()
     for a in alerts:
-        tag = (a.get("rule"), a.get("iteration"))
+        kind = severity_of(a)
+        tag = (a.get("rule"), a.get("iteration"), kind)
         if tag in seen:
             continue
         seen.add(tag)
-        text = a.get("rule", "?") + (" ✔" if a.get("confirmed") else "")
+        text = a.get("rule", "?") + (" ✔ collapse" if kind == "confirmed" else "")
         top.annotate(text, xy=(a.get("iteration", 0), 1.02), xycoords=("data", "axes fraction"), rotation=90,
-                     fontsize=7, va="bottom", ha="center", color=_SEV_COLOR.get(a.get("severity"), "#7f7f7f"),
-                     annotation_clip=False)
+                     fontsize=8 if kind in ("confirmed", "critical") else 6,
+                     fontweight="bold" if kind in ("confirmed", "critical") else "normal",
+                     va="bottom", ha="center", color=_STYLES[kind]["color"], annotation_clip=False)
+    if alerts:  # a key to the markers, with how many of each
+        from matplotlib.lines import Line2D
+
+        counts = severity_counts(alerts)
+        keys = [Line2D([0], [0], color=st["color"], ls=st["ls"], lw=st["lw"], label=f"{st['label']} ({counts[k]})")
+                for k, st in _STYLES.items() if counts[k]]
+        fig.legend(handles=keys, loc="upper right", fontsize=8, ncol=len(keys), frameon=False)
     axes[-1].set_xlabel("iteration")
     n_rec = sum(len(s) for s in segs)
-    fig.suptitle(title or f"DPCC monitor report: {n_rec} records, {len(alerts)} alerts", fontsize=11)
+    head = title or f"DPCC monitor report: {n_rec} records"
+    fig.suptitle(f"{head} ({alert_headline(alerts)})", fontsize=11, x=0.02, ha="left")
     fig.subplots_adjust(left=0.09, right=0.98, top=0.93, bottom=0.04, hspace=0.12)  # tight_layout costs ~1 s
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -132,19 +199,24 @@ def render_report(records: Sequence[dict], alerts: Sequence[Any], out_path: str 
         return out
     rows = []
     for a in (_alert_dict(a) for a in alerts):
-        rows.append("<tr>" + "".join(f"<td>{html.escape(str(a.get(k, '')))}</td>" for k in
-                                     ("iteration", "rule", "severity", "confirmed", "message")) + "</tr>")
+        kind = severity_of(a)
+        rows.append(f'<tr class="sev-{kind}"><td>{a.get("iteration", "")}</td>'
+                    f'<td>{html.escape(str(a.get("rule", "")))}</td>'
+                    f'<td>{html.escape(_STYLES[kind]["label"])}</td>'
+                    f'<td>{html.escape(str(a.get("message", "")))}</td></tr>')
     heading = html.escape(title or "DPCC monitor report")
     doc = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{heading}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px}}</style></head>
+td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px}}
+tr.sev-confirmed td{{background:#f8c9c9;font-weight:bold}} tr.sev-critical td{{background:#fbe3e3}}
+tr.sev-warning td{{background:#fff3e0;color:#555}} tr.sev-info td{{color:#777}}</style></head>
 <body><h1>{heading}</h1>
-<p>{len(records)} records, {len(alerts)} alerts.</p>
+<p>{len(records)} records; alerts: {html.escape(alert_headline(alerts))}.</p>
 <img alt="metrics over iterations" src="data:image/png;base64,{base64.b64encode(png).decode()}">
 <h2>Alerts</h2>
-<table><tr><th>iteration</th><th>rule</th><th>severity</th><th>confirmed</th><th>message</th></tr>
-{''.join(rows) or '<tr><td colspan="5">none</td></tr>'}
+<table><tr><th>iteration</th><th>rule</th><th>severity</th><th>message</th></tr>
+{''.join(rows) or '<tr><td colspan="4">none</td></tr>'}
 </table></body></html>
 """
     out.write_text(doc, encoding="utf-8")

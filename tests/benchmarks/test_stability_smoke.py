@@ -149,4 +149,5 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     broken = json.loads((out / "results" / f"{run_key('grpo', BROKEN_LR, 1)}.json").read_text())
     assert broken["iterations"] == 5
     assert broken["collapsed"], f"10x the aggressive LR was not flagged: {broken['alerts_by_rule']}"
-    assert broken["collapse_rule"] in {"low_entropy", "high_entropy", "non_finite", "reward_collapse"}
+    # kl_drift: the per-step KL runaway of the first update (monitor.kl_critical_threshold) is confirmed
+    assert broken["collapse_rule"] in {"low_entropy", "high_entropy", "non_finite", "reward_collapse", "kl_drift"}

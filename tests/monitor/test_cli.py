@@ -110,3 +110,56 @@ def test_render_report_png_in_memory(tmp_path):
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
     empty = render_report([], [], tmp_path / "e.png")  # no data at all still renders
     assert empty.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_report_marks_alerts_by_severity(tmp_path):
+    """A warning is a short tick at the panels' top edge, a critical a line through every panel, a
+    confirmed collapse a thick one; the title and the HTML table say which is which."""
+    import io
+
+    from matplotlib.image import imread
+
+    from dpcc_megatron.monitor.report import alert_headline, alert_style, render_figure_png
+
+    warn = {"rule": "low_entropy", "iteration": 5, "severity": "warning"}
+    crit = {"rule": "high_entropy", "iteration": 5, "severity": "critical"}
+    conf = dict(crit, confirmed=True)
+    assert alert_style(warn)["ymin"] >= 0.9 and alert_style(crit)["ymin"] == 0.0
+    assert alert_style(conf)["lw"] > alert_style(crit)["lw"] and alert_style(conf)["ls"] == "-"
+    assert alert_headline([warn, warn, crit, conf]) == "1 confirmed collapse, 1 critical, 2 warnings"
+    assert alert_headline([]) == "no alerts"
+
+    recs = [{"iteration": i, "entropy": 0.7, "kl_old_new": 0.01, "kl_step_max": 0.02, "reward_mean": 0.4,
+             "reward_base_mean": 0.3} for i in range(10)]
+
+    def pixels(alert, rgb):
+        img = imread(io.BytesIO(render_figure_png(recs, [alert], title="t")))[..., :3]
+        target = [int(rgb[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        return int((abs(img - target).max(axis=-1) < 0.06).sum())
+
+    # the same alert drawn as a warning leaves far fewer marks than as a critical or a confirmed collapse
+    orange, red = pixels(warn, "#ff7f0e"), pixels(crit, "#d62728")
+    assert 0 < 4 * orange < red < pixels(conf, "#d62728")
+
+    html_doc = render_report(recs, [warn, conf], tmp_path / "r.html").read_text()
+    assert '<tr class="sev-warning">' in html_doc and '<tr class="sev-confirmed">' in html_doc
+    assert "1 confirmed collapse, 1 warning" in html_doc
+
+
+def test_replay_shows_the_rules_judged_on_the_rule_track_and_per_step_kl(tmp_path):
+    """A dual-track stream: the combined reward keeps its spread while the rule track has none, and
+    one step's KL runs away while the iteration mean looks calm. Replay names what it judged."""
+    recs = [{"iteration": i, "entropy": 0.75, "reward_mean": 0.5, "reward_std": 0.2, "zero_var_frac": 0.1,
+             "reward_base_mean": 0.1, "reward_base_std": 0.0, "zero_var_frac_base": 1.0,
+             "kl_old_new": 0.3, "kl_step_max": 1.5 if i == 2 else 0.02, "kl_estimator": "k3"} for i in range(8)]
+    stream = tmp_path / "metrics.jsonl"
+    _write_stream(stream, recs)
+    out = cli("replay", "--input", str(stream), "-o", "monitor.kl_critical_threshold=1.0",
+              "-o", "monitor.reward_collapse_patience=3", "-o", "monitor.entropy_band_relative=[0.5,1.6]")
+    assert out.returncode == 0, out.stderr
+    assert "[CRITICAL" in out.stdout and "kl_step_max" in out.stdout and "runaway" in out.stdout
+    assert "rule-track reward variance collapsed" in out.stdout and "reward_base_std=0" in out.stdout
+    assert "entropy band [0.375, 1.2] (0.5-1.6 x the first entropy)" in out.stderr
+    final = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
+    assert {"rule": "kl_drift", "iteration": 2, "severity": "critical"} in final
+    assert {"rule": "reward_collapse", "iteration": 2, "severity": "warning"} in final

@@ -5,6 +5,9 @@ import json
 import math
 import random
 
+import pytest
+
+from dpcc_megatron.config import ConfigError, load_config
 from dpcc_megatron.config.monitor import MonitorConfig
 from dpcc_megatron.monitor.alerts import Alert, ControlAdvice, ControlPolicy
 from dpcc_megatron.monitor.detector import CollapseDetector, run_detector
@@ -17,6 +20,17 @@ def stream(field, values, start=0, **extra):
 
 def rules(alerts):
     return [(a.rule, a.iteration) for a in alerts]
+
+
+#: The detector settings from before issue 21's calibration (band calibrated from healthy steps, a
+#: low-entropy stretch a warning unless a template collapse, confirmation after 3 steps, no KL runaway
+#: rule, grad spikes at 5x): the paths these still exercise are kept and tested with it.
+PRE_CALIBRATION = dict(entropy_band_relative=None, mastered_reward_gain=None, collapse_confirm_steps=3,
+                       kl_critical_threshold=None, grad_spike_factor=5.0)
+
+
+def old_cfg(**kw):
+    return MonitorConfig(**{**PRE_CALIBRATION, **kw})
 
 
 def test_high_entropy_dpcc_example_with_configured_band():
@@ -33,7 +47,7 @@ def test_high_entropy_dpcc_example_with_configured_band():
 
 
 def test_high_entropy_jump_within_window_without_band():
-    cfg = MonitorConfig(entropy_calibration_steps=50)  # band not calibrated yet: jump rule only
+    cfg = old_cfg(entropy_calibration_steps=50)  # band not calibrated yet: jump rule only
     alerts = run_detector(stream("entropy", [4.2, 4.25, 4.3, 7.8]), cfg)
     assert rules(alerts) == [("high_entropy", 3)]
     assert alerts[0].severity == "warning" and alerts[0].details["jump"] > 3.0
@@ -43,7 +57,7 @@ def test_high_entropy_jump_within_window_without_band():
 
 
 def test_entropy_band_is_calibrated_from_first_healthy_steps():
-    cfg = MonitorConfig(entropy_calibration_steps=10)
+    cfg = MonitorConfig(entropy_calibration_steps=10, entropy_band_relative=None)
     rng = random.Random(0)
     healthy = [4.0 + rng.uniform(-0.1, 0.1) for _ in range(10)]
     det = CollapseDetector(cfg)
@@ -54,6 +68,22 @@ def test_entropy_band_is_calibrated_from_first_healthy_steps():
     assert lo < 3.9 and hi > 4.1 and hi < 5.0
     alerts = det.update({"iteration": 10, "entropy": 6.5})
     assert rules(alerts) == [("high_entropy", 10)] and alerts[0].severity == "critical"
+
+
+def test_band_relative_to_the_first_entropy_judges_the_first_iterations():
+    """The first record is the starting policy's entropy: the band is set from it at once, so an
+    entropy that doubles within the first steps is critical without waiting for K healthy steps."""
+    cfg = MonitorConfig(entropy_band_relative=(0.4, 2.0))
+    det = CollapseDetector(cfg)
+    assert det.update({"iteration": 0, "entropy": 0.75}) == []
+    assert det.band == pytest.approx((0.3, 1.5)) and "first entropy" in det.band_source
+    alerts = det.update({"iteration": 1, "entropy": 1.6})
+    assert [(a.rule, a.severity) for a in alerts] == [("high_entropy", "critical")]
+    fixed = CollapseDetector(MonitorConfig(entropy_band=(3.5, 5.0), entropy_band_relative=(0.4, 2.0)))
+    fixed.update({"iteration": 0, "entropy": 0.75})
+    assert fixed.band == (3.5, 5.0)  # an explicit band wins
+    with pytest.raises(ConfigError, match="monitor.entropy_band_relative must be"):
+        load_config(overrides=["monitor.entropy_band_relative=[1.2,2.0]"])
 
 
 def test_low_entropy_from_repetition_of_zeros():
@@ -84,7 +114,8 @@ def _template_stream(collapsed_reward):
 
 
 def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
-    cfg = MonitorConfig(reward_collapse_patience=50)  # only low_entropy speaks; band needs 20 steps
+    # only low_entropy speaks; the band needs 20 steps
+    cfg = old_cfg(reward_collapse_patience=50)
     alerts = [a for a in run_detector(_template_stream(0.1), cfg) if a.rule == "low_entropy"]
     # below 0.4 x 2.0 from iteration 3; patience 3 -> fires at 5, critical (reward 0.1 < 0.5 - 0.1)
     assert [(a.iteration, a.severity, a.confirmed) for a in alerts] == [(5, "critical", False),
@@ -95,16 +126,16 @@ def test_template_collapse_is_confirmed_before_the_band_is_calibrated():
 
 
 def test_mastered_task_with_low_entropy_stays_a_warning():
-    cfg = MonitorConfig(reward_collapse_patience=50)
+    cfg = old_cfg(reward_collapse_patience=50)
     alerts = [a for a in run_detector(_template_stream(1.0), cfg) if a.rule == "low_entropy"]
     assert [(a.iteration, a.severity) for a in alerts] == [(5, "warning")]
     assert not any(a.confirmed for a in alerts)
 
 
 def test_entropy_floor_and_template_rule_can_be_turned_off():
-    off = MonitorConfig(reward_collapse_patience=50, entropy_floor_ratio=0.0)
+    off = old_cfg(reward_collapse_patience=50, entropy_floor_ratio=0.0)
     assert [a for a in run_detector(_template_stream(0.1), off) if a.rule == "low_entropy"] == []
-    warn_only = MonitorConfig(reward_collapse_patience=50, low_entropy_reward_drop=None)
+    warn_only = old_cfg(reward_collapse_patience=50, low_entropy_reward_drop=None)
     alerts = [a for a in run_detector(_template_stream(0.1), warn_only) if a.rule == "low_entropy"]
     assert [a.severity for a in alerts] == ["warning"]
 
@@ -201,7 +232,7 @@ def _mixed_stream(n=60, seed=1):
 
 
 def test_state_dict_round_trip_continues_identically():
-    cfg = MonitorConfig(entropy_calibration_steps=10)
+    cfg = old_cfg(entropy_calibration_steps=10)
     recs = _mixed_stream()
     whole = run_detector(recs, cfg)
     det = CollapseDetector(cfg)
@@ -249,3 +280,74 @@ def test_rules_judge_the_rule_track_and_each_steps_own_kl():
                                                          "zero_var_frac": 0.1, "kl_old_new": 0.3, "entropy": 2.0})]
     assert not quiet  # the same run without the rule-track fields looks healthy
     assert judged_view({"reward_std": 0.2, "reward_base_std": float("nan")})["reward_std"] == 0.2
+
+
+def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
+    """The trainer sends kl_ref once a reference model exists; kl_ref_threshold judges it (its own
+    consecutive count, the same window), and the alert names the field."""
+    recs = [{"iteration": i, "kl_old_new": 0.01, "kl_step_max": 0.02, "kl_estimator": "k3",
+             "kl_ref": 0.05 * i, "entropy": 1.0} for i in range(8)]
+    off = [a for r in recs for a in CollapseDetector(MonitorConfig()).update(r)]
+    assert not off  # kl_ref_threshold unset: kl_ref alone never alerts
+    det = CollapseDetector(MonitorConfig(kl_ref_threshold=0.12, kl_window=3))
+    alerts = [a for r in recs for a in det.update(r)]
+    # above 0.12 from iteration 3 (0.15): the third consecutive one is iteration 5
+    assert [(a.rule, a.iteration, a.metric) for a in alerts] == [("kl_drift", 5, "kl_ref")]
+    assert "KL to reference (kl_ref)" in alerts[0].message and "k3" in alerts[0].message
+
+
+def test_kl_drift_alert_names_the_per_step_kl_it_read():
+    det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2))
+    alerts = [a for i in range(3) for a in det.update({"iteration": i, "kl_old_new": 0.3, "kl_step_max": 0.6})]
+    assert [(a.rule, a.metric) for a in alerts] == [("kl_drift", "kl_step_max")]
+    assert "per-step" in alerts[0].message and alerts[0].details["judged_on"] == "kl_step_max"
+    reward = CollapseDetector(MonitorConfig(reward_collapse_patience=2))
+    alerts = [a for i in range(3) for a in reward.update({"iteration": i, "reward_mean": 0.5, "reward_std": 0.3,
+                                                          "reward_base_mean": 0.1, "reward_base_std": 0.0})]
+    assert [(a.rule, a.metric) for a in alerts] == [("reward_collapse", "reward_base_std")]
+    assert alerts[0].message.startswith("rule-track reward variance collapsed")
+
+
+def _falling_entropy(rewards):
+    """Entropy from 0.8 down to 0.08 over 20 iterations (far below a 0.4 x band), with these rewards."""
+    return [{"iteration": i, "entropy": 0.8 * (1 - 0.045 * i), "reward_mean": r, "reward_std": 0.3,
+             "zero_var_frac": 0.3} for i, r in enumerate(rewards)]
+
+
+def test_mastered_task_with_falling_entropy_is_healthy_and_no_learning_is_critical():
+    cfg = MonitorConfig(entropy_band_relative=(0.4, 2.0), mastered_reward_gain=0.1, low_entropy_patience=1,
+                        collapse_confirm_steps=2)
+    learning = _falling_entropy([0.3 + 0.035 * i for i in range(20)])  # reward 0.3 -> 0.97
+    det = CollapseDetector(cfg)
+    assert [a for r in learning for a in det.update(r)] == []
+    assert det.last_healthy_iteration == 19  # the mastered steps stay healthy (rollback targets)
+    stuck = _falling_entropy([0.3] * 20)  # same entropy curve, the reward never rose
+    alerts = run_detector(stuck, cfg)
+    # below 0.32 from iteration 14 (0.8 x 0.37): critical at once, confirmed the step after
+    assert [(a.rule, a.iteration, a.severity, a.confirmed) for a in alerts] == [
+        ("low_entropy", 14, "critical", False), ("low_entropy", 15, "critical", True)]
+    assert "without learning" in alerts[0].message
+    # without the setting the old behaviour stays: a warning for the stuck run (reward signal still there)
+    old = old_cfg(entropy_band_relative=(0.4, 2.0), low_entropy_patience=1)
+    assert {(a.rule, a.severity) for a in run_detector(stuck, old)} == {("low_entropy", "warning")}
+
+
+def test_solved_task_is_no_reward_collapse():
+    cfg = MonitorConfig(mastered_reward_gain=0.1, reward_collapse_patience=3)
+    solved = [{"iteration": i, "entropy": 0.8, "reward_mean": min(1.0, 0.4 + 0.1 * i), "reward_std": 0.0 if i > 5 else 0.3,
+               "zero_var_frac": 1.0 if i > 5 else 0.2} for i in range(12)]
+    assert [a for a in run_detector(solved, cfg) if a.rule == "reward_collapse"] == []
+    assert [a.rule for a in run_detector(solved, old_cfg(reward_collapse_patience=3))] == ["reward_collapse"]
+
+
+def test_kl_runaway_is_critical_on_one_iteration():
+    cfg = MonitorConfig(kl_critical_threshold=1.0, collapse_confirm_steps=1)
+    recs = [{"iteration": 0, "kl_old_new": 0.2, "kl_step_max": 1.5, "kl_estimator": "k3"},
+            {"iteration": 1, "kl_old_new": 0.1, "kl_step_max": 0.4}]
+    alerts = run_detector(recs, cfg)
+    # with collapse_confirm_steps 1 the first critical is the confirmed one
+    assert [(a.rule, a.iteration, a.severity, a.metric, a.confirmed) for a in alerts] == [
+        ("kl_drift", 0, "critical", "kl_step_max", True)]
+    assert "runaway" in alerts[0].message
+    assert run_detector([dict(recs[0], kl_step_max=0.9)], cfg) == []  # below it: nothing (window 3 for warnings)
+    assert run_detector(recs, old_cfg()) == []  # off without the threshold

@@ -37,8 +37,16 @@ def _write(tmp_path, streams):
 
 
 def test_half_reward_iteration():
-    assert half_reward_iteration(_entropy_collapse()) == 16
+    # read on the trailing 3-iteration mean: 0.6, 0.6, 0.1 -> 0.43 (not yet half of 0.6); 0.6, 0.1, 0.1 -> 0.27
+    assert half_reward_iteration(_entropy_collapse()) == 17
     assert half_reward_iteration(_healthy()) is None
+    r = lambda xs: [{"iteration": i, "reward_base_mean": x, "reward_mean": 1.0} for i, x in enumerate(xs)]  # noqa: E731
+    assert half_reward_iteration(r([0.4, 0.4, 0.4] + [0.0] * 6)) == 4  # the rule track is read
+    # a dip the run recovers from is not a halving, nor a fall in the last two iterations
+    assert half_reward_iteration(r([0.4, 0.4, 0.4, 0.0, 0.0, 0.0, 0.4, 0.4, 0.4])) is None
+    assert half_reward_iteration(r([0.4] * 6 + [0.0] * 5)) is None  # 4 of the last 5 below: under 5
+    assert half_reward_iteration(r([0.4] * 6 + [0.0] * 6)) == 7
+    assert half_reward_iteration(r([0.4] * 6 + [0.0, 0.0]), min_tail=1) == 7
 
 
 def test_scores_a_detected_collapse_and_a_quiet_healthy_run(tmp_path):

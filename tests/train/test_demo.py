@@ -34,6 +34,11 @@ def test_demo_is_reproducible_with_monitor_advice(tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
     assert [e["iteration"] for e in evals] == [0, 8] and evals[0]["reward_greedy"] == first["reward_before"]
     assert first["lr_scale_from_monitor"] < 1.0 and first["alerts"]  # advice acted during the run
+    # the kl_drift alerts behind that advice are warnings, counted as such (the report draws them as ticks)
+    counts = first["alerts_by_severity"]
+    assert sum(counts.values()) == len(first["alerts"]) and counts["warning"] >= 1
+    kl = [a for a in first["alerts"] if a["rule"] == "kl_drift"]
+    assert kl and all(a["severity"] == "warning" and not a["confirmed"] for a in kl)
     assert first["advice_fallbacks"] == 0
     assert (tmp_path / "a" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "a" / "monitor.db").stat().st_size > 0  # the sidecar stored the records

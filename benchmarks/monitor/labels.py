@@ -1,0 +1,76 @@
+"""The labelling rule of the monitor's labelled set: a written rule on the reward and entropy
+curves of a stream, applied to every stream alike (no stream is labelled by hand).
+
+Revised once, before any held-out evaluation: "m stays below half its best to the end" became
+"m is below half its best and the rest of the run averages below it", because a single lucky
+batch of the 8-prompt reward after an obvious fall undid the first form.
+
+- **Reward** r_t: the rule-track reward ``reward_base_mean`` (``reward_mean`` when absent);
+  m_t its trailing mean over 3 iterations.
+- **Collapse** when the reward halves for good: there is an iteration h, with at least 5
+  iterations from h to the end, with m_h < 0.5 x B_h (B_h: the best m up to h) and whose rewards from h to
+  the end also average below 0.5 x B_h
+  (:func:`dpcc_megatron.monitor.evaluate.half_reward_iteration`, the same function the lead time
+  of ``monitor evaluate`` is measured to); or the trainer stopped on non-finite steps, or the
+  stream carries a non-finite entropy or reward. Otherwise **healthy**, whatever the entropy does:
+  a run that masters the task with a falling entropy and a high reward is healthy.
+- **onset** = h (for a non-finite stop: the first non-finite iteration, else the last iteration).
+- **direction**: the entropy band is [0.4, 2.0] x the warm-started policy's entropy e_0 (the first
+  record's: it is measured before any RL update; ``benchmarks/stability/measures.py``'s band).
+  ``high`` when the mean entropy from h on is above e_0, else ``low``.
+- **entropy_exit**: the first iteration from which entropy is outside the band for 2 iterations
+  in a row (informational: how early the entropy curve shows it).
+- **instant**: the reward halved within the first 3 iterations, i.e. the first RL updates
+  destroyed the policy; no detector can lead such a collapse by 3 iterations.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from dpcc_megatron.monitor.evaluate import half_reward_iteration, smoothed_reward
+
+BAND = (0.4, 2.0)
+"""Normal entropy band as multiples of the warm-started policy's entropy (as benchmarks/stability)."""
+INSTANT = 3
+"""A collapse whose reward halves before this iteration is 'instant'."""
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def entropy_exit(records: list[dict], band: tuple[float, float], run: int = 2) -> Optional[int]:
+    """First iteration from which entropy is outside ``band`` for ``run`` consecutive records."""
+    streak = 0
+    for i, r in enumerate(records):
+        e = r.get("entropy")
+        out = _finite(e) and not band[0] <= e <= band[1]
+        streak = streak + 1 if out else 0
+        if streak >= run:
+            return int(records[i - run + 1]["iteration"])
+    return None
+
+
+def label_stream(records: list[dict], stop_reason: str = "") -> dict:
+    """``{"label", "onset", "direction", "halves", "entropy_exit", "instant", "best_reward",
+    "final_reward", "entropy_band"}`` of one stream (see the module docstring)."""
+    e0 = records[0].get("entropy") if records else None
+    band = (BAND[0] * e0, BAND[1] * e0) if _finite(e0) and e0 > 0 else None
+    m = [v for v in smoothed_reward(records) if v is not None]
+    out = {"halves": half_reward_iteration(records), "entropy_exit": entropy_exit(records, band) if band else None,
+           "best_reward": round(max(m), 4) if m else None, "final_reward": round(m[-1], 4) if m else None,
+           "entropy_band": [round(band[0], 4), round(band[1], 4)] if band else None}
+    bad = [int(r["iteration"]) for r in records
+           if any(k in r and not _finite(r[k]) for k in ("entropy", "reward_base_mean", "reward_mean"))]
+    non_finite = "non-finite" in stop_reason or bool(bad)
+    if out["halves"] is None and not non_finite:
+        return {"label": "healthy", "onset": None, "direction": None, "instant": False, **out}
+    onset = out["halves"] if out["halves"] is not None else (bad[0] if bad else int(records[-1]["iteration"]))
+    after = [r.get("entropy") for r in records if int(r["iteration"]) >= onset and _finite(r.get("entropy"))]
+    direction = None
+    if after and _finite(e0):
+        direction = "high" if sum(after) / len(after) > e0 else "low"
+    first = int(records[0]["iteration"])
+    return {"label": "collapse", "onset": onset, "direction": direction,
+            "instant": onset - first < INSTANT, **out}

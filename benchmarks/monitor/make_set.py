@@ -1,0 +1,201 @@
+"""Build the labelled metric streams the collapse detector is scored on (issue 21).
+
+    python -m benchmarks.monitor.make_set --out runs/monitor_set [--write benchmarks/monitor/labelled]
+        [--families stab-safe,ramp] [--jobs 1] [--budget-minutes 0]
+
+Every stream is a real run of the trainer (`dpcc-megatron train`, one process, TP=1) on the
+stability benchmark's job (benchmarks/stability/grid.py: the demo's tiny GPT, 1-digit addition,
+one shared supervised warm-start), made with that benchmark's runner (`ensure_warm_start`,
+`build_config`, `train_once`). Runs are cached under OUT/runs/<family>__<key>/ (a finished run
+whose config is unchanged is not trained again), so an interrupted build resumes.
+
+With ``--write DIR`` the streams are labelled (:mod:`benchmarks.monitor.labels`: a written rule
+on the reward and entropy curves, never by hand), trimmed to the fields the detector reads, and
+written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
+``dpcc-megatron monitor evaluate --labelled DIR``.
+
+The dev/held-out split is fixed by seed before any tuning: odd seeds are ``dev``, even seeds
+``heldout`` (:func:`split_of`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR, Grid, build_config, run_key,
+                                       run_overrides)
+from benchmarks.stability.run import ensure_warm_start, train_once
+
+from .labels import label_stream
+
+#: The fields of a trainer record the detector (and the labelling rule) reads; the rest is dropped.
+KEEP = ("iteration", "entropy", "kl_old_new", "kl_step_max", "kl_estimator", "kl_ref", "mismatch_kl",
+        "repetition_rate", "longest_repeat", "grad_norm", "reward_mean", "reward_std", "zero_var_frac",
+        "reward_base_mean", "reward_base_std", "zero_var_frac_base")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of run: a method at one LR for some seeds, plus overrides."""
+
+    name: str
+    method: str
+    lr: float
+    seeds: tuple[int, ...]
+    iterations: int
+    why: str
+    extra: dict = field(default_factory=dict)
+
+    def grid(self) -> Grid:
+        return Grid(methods=(self.method,), lrs=(self.lr,), seeds=self.seeds, iterations=self.iterations,
+                    warm_start_steps=GRIDS["full"].warm_start_steps, extra=dict(self.extra))
+
+
+def _steps(iterations: int) -> int:
+    """Optimizer steps of a run of the base job (2 per iteration: 64 samples / mini-batch 32)."""
+    return 2 * iterations
+
+
+FAMILIES: tuple[Family, ...] = (
+    # (In build order: what matters most first, for a build its budget stops early.)
+    Family("stab-safe", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6), 20, "stability grid, safe LR"),
+    Family("stab-safe", "dpcc", SAFE_LR, (1, 2, 3, 4), 20, "stability grid, safe LR"),
+    # Runs that keep going for longer at 2.5x the safe LR (learning runs' entropy falls as the reward rises;
+    # whether a run stays healthy is the labelling rule's verdict, not this list's).
+    Family("learn", "dpcc", 5e-4, (1, 2), 60, "DPCC at a moderate LR, 60 iterations"),
+    Family("learn", "grpo", 5e-4, (3, 4, 5, 6), 40, "GRPO at a moderate LR, 40 iterations"),
+    # The high-entropy direction. Very large LRs (below) end near-deterministic on this model; flat
+    # logits need the weights to shrink: a decoupled weight decay set ~1000x too large (150 at the safe
+    # LR: every weight loses 3% per step) flattens the policy step by step, so entropy climbs and the
+    # answers turn random.
+    Family("decay", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6), 30, "weight decay 150 (a scale fault): entropy climbs",
+           {"optim.weight_decay": 150.0}),
+    # A step size that climbs: a linear LR warm-up to 10x the aggressive LR over the whole run.
+    Family("ramp", "grpo", BROKEN_LR, (1, 2, 3, 4, 5, 6), 30, "LR climbing linearly to 10x the aggressive LR",
+           {"optim.lr_warmup_iters": _steps(30)}),
+    Family("stab-aggr", "grpo", AGGRESSIVE_LR, (1, 2, 3, 4), 20, "stability grid, aggressive LR"),
+    Family("stab-aggr", "dpcc", AGGRESSIVE_LR, (1, 2), 20, "stability grid, aggressive LR"),
+    # Half the aggressive LR over a longer run: collapses that build up over iterations, if any.
+    Family("slow-aggr", "grpo", AGGRESSIVE_LR / 2, (1, 2), 40, "half the aggressive LR, 40 iterations"),
+    # The smoke test's broken LR (10x the aggressive one), constant.
+    Family("broken", "grpo", BROKEN_LR, (1, 2), 20, "10x the aggressive LR"),
+)
+
+
+def split_of(seed: int) -> str:
+    """The split, fixed before tuning: odd seeds develop the detector, even seeds are held out."""
+    return "dev" if seed % 2 else "heldout"
+
+
+def run_name(fam: Family, seed: int) -> str:
+    return f"{fam.name}__{run_key(fam.method, fam.lr, seed)}"
+
+
+def planned(families=FAMILIES) -> list[tuple[Family, int]]:
+    """Seed pairs (1, 2), (3, 4)... one after the other, and within a pair each family's dev run next to
+    its held-out run: a build stopped by its budget leaves both splits with the same families."""
+    runs = [(f, s) for i, f in enumerate(families) for s in f.seeds]
+    order = {id(f): i for i, f in enumerate(families)}
+    return sorted(runs, key=lambda r: ((r[1] + 1) // 2, order[id(r[0])], r[1]))
+
+
+def run_config(fam: Family, seed: int, warm: Path, run_dir: Path) -> dict:
+    overrides = run_overrides(fam.grid(), fam.method, fam.lr, seed)
+    return build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
+
+
+def is_done(run_dir: Path, cfg: dict) -> bool:
+    import yaml
+
+    cfg_path = run_dir / "config.yaml"
+    return ((run_dir / "train_summary.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+            and cfg_path.is_file() and yaml.safe_load(cfg_path.read_text()) == json.loads(json.dumps(cfg)))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _short(v):
+    if isinstance(v, float) and v == v and abs(v) != float("inf"):
+        return float(f"{v:.5g}")
+    return v
+
+
+def trim(records: list[dict]) -> list[dict]:
+    return [{k: _short(r[k]) for k in KEEP if k in r and r[k] is not None} for r in records]
+
+
+def write_set(out: Path, dest: Path, families=FAMILIES) -> list[dict]:
+    """Label every finished run of ``families`` and write DIR/streams + DIR/labels.jsonl."""
+    (dest / "streams").mkdir(parents=True, exist_ok=True)
+    labels = []
+    for fam, seed in planned(families):
+        name = run_name(fam, seed)
+        run_dir = out / "runs" / name
+        if not (run_dir / "metrics.jsonl").is_file():
+            continue
+        records = trim(read_metrics(run_dir))
+        if not records:
+            continue
+        summary = json.loads((run_dir / "train_summary.json").read_text())
+        stream = f"streams/{name}.jsonl"
+        (dest / stream).write_text("".join(json.dumps(r) + "\n" for r in records))
+        lab = label_stream(records, stop_reason=summary.get("stop_reason", ""))
+        labels.append({"stream": stream, "label": lab.pop("label"), "split": split_of(seed),
+                       **lab, "stop_reason": summary.get("stop_reason", ""), "family": fam.name, "method": fam.method, "lr": fam.lr, "seed": seed,
+                       "source": "benchmarks/monitor/make_set.py: " + fam.why})
+    (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
+    return labels
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/monitor_set", help="run outputs, logs and the warm-start")
+    p.add_argument("--write", default=None, metavar="DIR", help="label and write the streams here")
+    p.add_argument("--families", default=None, help="comma list of family names (default: all)")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (only 1 is supported)")
+    p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
+    p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
+    p.add_argument("--no-train", action="store_true", help="only label and write what is already trained")
+    args = p.parse_args(argv)
+    if args.jobs != 1:
+        p.error("--jobs: only 1 is supported (runs share the machine's cores)")
+    wanted = set(args.families.split(",")) if args.families else None
+    families = tuple(f for f in FAMILIES if wanted is None or f.name in wanted)
+    if wanted and not families:
+        p.error(f"--families: none of {sorted(wanted)}; known: {sorted({f.name for f in FAMILIES})}")
+    out = Path(args.out).resolve()
+    failures = 0
+    if not args.no_train:
+        warm = ensure_warm_start(out, GRIDS["full"], args.run_timeout)
+        deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
+        todo = planned(families)
+        for i, (fam, seed) in enumerate(todo, 1):
+            name = run_name(fam, seed)
+            run_dir = out / "runs" / name
+            cfg = run_config(fam, seed, warm, run_dir)
+            if is_done(run_dir, cfg):
+                continue
+            if deadline is not None and time.time() > deadline:
+                print(f"[monitor-set] budget spent; {name} and later runs not started", flush=True)
+                break
+            rc, wall, tail = train_once(cfg, run_dir, args.run_timeout)
+            ok = (run_dir / "metrics.jsonl").is_file() and (run_dir / "train_summary.json").is_file()
+            failures += not ok
+            print(f"[monitor-set] {i}/{len(todo)} {name}: exit {rc}, {wall:.0f}s" +
+                  ("" if ok else f", no outputs; log tail:\n{tail}"), flush=True)
+    if args.write:
+        labels = write_set(out, Path(args.write), families)
+        n = {k: sum(x["label"] == k for x in labels) for k in ("collapse", "healthy")}
+        print(f"[monitor-set] wrote {len(labels)} streams to {args.write} ({n['collapse']} collapse, "
+              f"{n['healthy']} healthy)", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The monitor's labelled set (benchmarks/monitor): the labelling rule, the split, and
+`monitor evaluate --labelled` on the committed streams."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.monitor.labels import label_stream
+from benchmarks.monitor.make_set import FAMILIES, split_of, trim
+from dpcc_megatron.monitor.evaluate import read_labels
+
+ROOT = Path(__file__).resolve().parents[2]
+LABELLED = ROOT / "benchmarks" / "monitor" / "labelled"
+KEYS = ("recall", "precision", "median_lead_iterations", "healthy_critical", "warnings_per_100_healthy")
+
+
+def _stream(rewards, entropies):
+    return [{"iteration": i, "reward_base_mean": r, "reward_mean": r, "entropy": e}
+            for i, (r, e) in enumerate(zip(rewards, entropies))]
+
+
+def test_labelling_rule_on_curves():
+    # learning: reward rises, entropy falls far below the band -> healthy (a mastered task)
+    learn = label_stream(_stream([0.3 + 0.02 * i for i in range(30)], [0.8 - 0.025 * i for i in range(30)]))
+    assert learn["label"] == "healthy" and learn["onset"] is None and learn["entropy_exit"] is not None
+    # reward falls to a tenth from iteration 10 and stays: collapse; trailing mean halves at 11
+    down = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [0.1] * 10))
+    assert (down["label"], down["onset"], down["direction"], down["instant"]) == ("collapse", 11, "low", False)
+    assert down["entropy_exit"] == 10 and down["entropy_band"] == [0.32, 1.6]
+    # the entropy climbs instead: same onset, high direction
+    up = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [3.0] * 10))
+    assert up["label"] == "collapse" and up["direction"] == "high"
+    # the first update destroys the policy: an instant collapse
+    assert label_stream(_stream([0.4] + [0.02] * 9, [0.8] * 10))["instant"] is True
+    # a dip the run recovers from, or a fall in its last iterations, is no collapse
+    assert label_stream(_stream([0.4] * 5 + [0.05] * 4 + [0.4] * 6, [0.8] * 15))["label"] == "healthy"
+    assert label_stream(_stream([0.4] * 10 + [0.05] * 3, [0.8] * 13))["label"] == "healthy"
+    # a trainer stopped on non-finite steps
+    nf = label_stream(_stream([0.4] * 6, [0.8] * 5 + [float("nan")]), stop_reason="stopped: 5 consecutive non-finite")
+    assert nf["label"] == "collapse" and nf["onset"] == 5
+
+
+def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
+    assert [split_of(s) for s in (1, 2, 3, 4)] == ["dev", "heldout", "dev", "heldout"]
+    assert all(set(f.seeds) & {1, 3} and set(f.seeds) & {2, 4} for f in FAMILIES)  # every family in both
+    rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
+           "kl_estimator": "k3"}
+    assert trim([rec]) == [{"iteration": 3, "entropy": 0.12346, "kl_step_max": 0.5, "kl_estimator": "k3"}]
+
+
+def test_committed_set_matches_its_split_rule_and_labels():
+    labels = read_labels(LABELLED)
+    assert len(labels) >= 30
+    assert {x["split"] for x in labels} == {"dev", "heldout"}
+    for x in labels:
+        assert x["split"] == split_of(x["seed"]), x["stream"]
+        records = [json.loads(line) for line in x["path"].read_text().splitlines() if line.strip()]
+        again = label_stream(records, x["stop_reason"])  # the rule, re-applied to the committed stream
+        assert (again["label"], again["onset"], again["direction"]) == (x["label"], x["onset"], x["direction"])
+    for split in ("dev", "heldout"):
+        part = [x for x in labels if x["split"] == split]
+        assert any(x["label"] == "collapse" for x in part) and any(x["label"] == "healthy" for x in part)
+    assert any(x["direction"] == "high" for x in labels)
+
+
+def _evaluate(folder, split):
+    proc = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled",
+                           str(folder), "--split", split], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_evaluate_command_on_a_committed_subset(tmp_path):
+    labels = [json.loads(line) for line in (LABELLED / "labels.jsonl").read_text().splitlines() if line.strip()]
+    pick = ([x for x in labels if x["split"] == "heldout" and x["label"] == "collapse"][:2]
+            + [x for x in labels if x["split"] == "heldout" and x["label"] == "healthy"][:2])
+    (tmp_path / "streams").mkdir()
+    for x in pick:
+        shutil.copy(LABELLED / x["stream"], tmp_path / x["stream"])
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pick))
+    table, scores = _evaluate(tmp_path, "heldout")
+    for key in KEYS:
+        assert key in scores, key
+    assert scores["streams"] == 4 and scores["collapsed"] == 2 and scores["healthy"] == 2
+    assert 0.0 <= scores["recall"] <= 1.0 and isinstance(scores["healthy_critical"], int)
+    assert isinstance(scores["warnings_per_100_healthy"], float)
+    assert all(x["stream"][-40:] in table for x in pick)  # one row per stream
+    with pytest.raises(AssertionError):
+        _evaluate(tmp_path, "dev")  # no dev streams in this subset: an error, not empty scores
