@@ -61,7 +61,7 @@ def test_invalid_layout_stops_before_any_rank(slurm, job_env, tmp_path):
     out = read(tmp_path / f"batch-{job}.out")
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, out)
     assert "the layout is invalid for 2 task(s)" in out
-    assert "model.num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in out
+    assert "model.num_attention_heads=2 is not divisible by tensor_model_parallel_size=3" in out
     assert "2 GPUs are not divisible by TP x PP x CP = 3 x 1 x 1 = 3" in out
     assert not list(logdir.glob("attempt-0/rank-*.log")) and not (logdir / "attempt-0" / "sidecar.log").exists()
 
