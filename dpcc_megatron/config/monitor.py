@@ -119,6 +119,12 @@ class MonitorConfig:
     kl_critical_threshold: Optional[float] = 1.0
     """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
     `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
+    kl_sustained_threshold: Optional[float] = None
+    """kl_drift is also critical when the per-step KL (`kl_step_max`, when sent) stays above this for
+    `kl_sustained_window` consecutive iterations: a step size that drifts (an LR climbing, a schedule
+    gone wrong) before the reward falls. None disables."""
+    kl_sustained_window: int = 3
+    """Consecutive iterations the per-step KL must stay above `kl_sustained_threshold`."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""
     mismatch_kl_threshold: Optional[float] = None
@@ -229,7 +235,8 @@ class MonitorConfig:
               f"must be >= 0, got {self.longest_repeat_threshold}")
         check(self.kl_threshold > 0, "kl_threshold", f"must be > 0, got {self.kl_threshold}")
         check(self.kl_window >= 1, "kl_window", f"must be >= 1, got {self.kl_window}")
-        for name in ("kl_ref_threshold", "mismatch_kl_threshold", "kl_critical_threshold"):
+        check(self.kl_sustained_window >= 1, "kl_sustained_window", f"must be >= 1, got {self.kl_sustained_window}")
+        for name in ("kl_ref_threshold", "mismatch_kl_threshold", "kl_critical_threshold", "kl_sustained_threshold"):
             value = getattr(self, name)
             check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
         check(self.grad_spike_factor > 1, "grad_spike_factor", f"must be > 1, got {self.grad_spike_factor}")

@@ -14,7 +14,9 @@ Rules (names are stable; see docs/monitor.md for defaults):
   reward_mean fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
   (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named. Critical when
-  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update).
+  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update), or when it stays
+  above ``kl_sustained_threshold`` for ``kl_sustained_window`` consecutive iterations (a step
+  size that drifts).
 
 The entropy band is ``entropy_band`` when set, else ``entropy_band_relative`` x the first
 record's entropy (the starting policy's), else calibrated from the first
@@ -99,7 +101,8 @@ class CollapseDetector:
         self.cfg = cfg if cfg is not None else _default_cfg()
         self.run_id = run_id
         c = self.cfg
-        self._hist_len = max(c.kl_window, c.entropy_jump_window, c.grad_spike_window + 1,
+        self._hist_len = max(c.kl_window, getattr(c, "kl_sustained_window", 1), c.entropy_jump_window,
+                             c.grad_spike_window + 1,
                              c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps, 2)
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
         self.band_source: Optional[str] = "config" if self.band is not None else None
@@ -120,7 +123,7 @@ class CollapseDetector:
     def _reset_windows(self) -> None:
         self._hist: dict[str, deque] = {k: deque(maxlen=self._hist_len) for k in _TRACKED}
         self._counters: dict[str, int] = {"kl_old_new": 0, "kl_ref": 0, "mismatch_kl": 0, "below_band": 0,
-                                          "reward": 0}
+                                          "reward": 0, "kl_sustained": 0}
         self._streak = {r: 0 for r in RULES}
         self._crit_streak = {r: 0 for r in RULES}
         self._last_fired: dict[str, Optional[int]] = {r: None for r in RULES}
@@ -422,7 +425,11 @@ class CollapseDetector:
         crit = getattr(c, "kl_critical_threshold", None)
         kl = rec.get("kl_old_new")
         runaway = crit is not None and is_finite(kl) and kl > crit
-        if not (hit_new or hit_ref or runaway):
+        sus, sus_n = getattr(c, "kl_sustained_threshold", None), getattr(c, "kl_sustained_window", 1)
+        if sus is not None and is_finite(kl):
+            self._counters["kl_sustained"] = self._counters["kl_sustained"] + 1 if kl > sus else 0
+        sustained = sus is not None and self._counters["kl_sustained"] >= sus_n
+        if not (hit_new or hit_ref or runaway or sustained):
             return None
         step = "kl_old_new" in self._judged
         what_new = "largest per-step KL(pi_old||pi_new) (kl_step_max)" if step else "KL(pi_old||pi_new)"
@@ -433,6 +440,11 @@ class CollapseDetector:
                    f"a runaway update")
             details.update(threshold=crit, judged_on=metric_new)
             return _Hit("critical", msg, metric_new, self._window("kl_old_new", c.kl_window), details)
+        if sustained:
+            msg = (f"{what_new} [estimator {est}] above {sus:g} (kl_sustained_threshold) for "
+                   f"{self._counters['kl_sustained']} consecutive iterations, latest {kl:.4g}: the step size drifts")
+            details.update(threshold=sus, window=sus_n, judged_on=metric_new)
+            return _Hit("critical", msg, metric_new, self._window("kl_old_new", sus_n), details)
         key, thr, what = (("kl_old_new", c.kl_threshold, what_new) if hit_new
                           else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "

@@ -1,6 +1,7 @@
 """Collapse detector rules on synthetic streams."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -351,3 +352,26 @@ def test_kl_runaway_is_critical_on_one_iteration():
     assert "runaway" in alerts[0].message
     assert run_detector([dict(recs[0], kl_step_max=0.9)], cfg) == []  # below it: nothing (window 3 for warnings)
     assert run_detector(recs, old_cfg()) == []  # off without the threshold
+
+
+def test_sustained_kl_is_critical_after_its_window():
+    cfg = MonitorConfig(kl_critical_threshold=None, kl_sustained_threshold=0.1, kl_sustained_window=3,
+                        collapse_confirm_steps=1)
+    kls = [0.02, 0.15, 0.2, 0.3, 0.02]
+    recs = [{"iteration": i, "kl_old_new": k / 2, "kl_step_max": k, "kl_estimator": "k3"} for i, k in enumerate(kls)]
+    alerts = run_detector(recs, cfg)
+    # read on the per-step KL (kl_step_max), critical on the third iteration above 0.1 (iterations 1-3)
+    assert [(a.rule, a.iteration, a.severity, a.metric, a.confirmed) for a in alerts] == [
+        ("kl_drift", 3, "critical", "kl_step_max", True)]
+    assert "kl_sustained_threshold" in alerts[0].message and "3 consecutive" in alerts[0].message
+    # a dip below the threshold restarts the count
+    dip = [dict(r, kl_step_max=k) for r, k in zip(recs, [0.15, 0.15, 0.05, 0.15, 0.15])]
+    assert run_detector(dip, cfg) == []
+    assert run_detector(recs, dataclasses.replace(cfg, kl_sustained_threshold=None)) == []  # off by null
+
+
+def test_sustained_kl_window_is_validated_by_name():
+    with pytest.raises(ConfigError, match="monitor.kl_sustained_window must be >= 1"):
+        load_config(overrides=["monitor.kl_sustained_window=0"])
+    with pytest.raises(ConfigError, match="monitor.kl_sustained_threshold must be > 0"):
+        load_config(overrides=["monitor.kl_sustained_threshold=-0.1"])
