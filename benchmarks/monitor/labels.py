@@ -1,9 +1,14 @@
 """The labelling rule of the monitor's labelled set: a written rule on the reward and entropy
 curves of a stream, applied to every stream alike (no stream is labelled by hand).
 
-Revised once, before any held-out evaluation: "m stays below half its best to the end" became
-"m is below half its best and the rest of the run averages below it", because a single lucky
-batch of the 8-prompt reward after an obvious fall undid the first form.
+Revised twice, each time before the held-out part it was then scored on was trained:
+1. "m stays below half its best to the end" became "m is below half its best and the rest of the
+   run averages below it", because a single lucky batch of the 8-prompt reward after an obvious
+   fall undid the first form.
+2. The entropy clause was added (the collapse is read on the reward *and* the entropy curve): on
+   the first held-out part, runs whose entropy had left the band for good with the reward no better
+   than at the start (a policy turned near-deterministic or random without learning) were labelled
+   healthy because their 20-iteration reward never quite halved.
 
 - **Reward** r_t: the rule-track reward ``reward_base_mean`` (``reward_mean`` when absent);
   m_t its trailing mean over 3 iterations.
@@ -11,17 +16,20 @@ batch of the 8-prompt reward after an obvious fall undid the first form.
   iterations from h to the end, with m_h < 0.5 x B_h (B_h: the best m up to h) and whose rewards from h to
   the end also average below 0.5 x B_h
   (:func:`dpcc_megatron.monitor.evaluate.half_reward_iteration`, the same function the lead time
-  of ``monitor evaluate`` is measured to); or the trainer stopped on non-finite steps, or the
-  stream carries a non-finite entropy or reward. Otherwise **healthy**, whatever the entropy does:
-  a run that masters the task with a falling entropy and a high reward is healthy.
-- **onset** = h (for a non-finite stop: the first non-finite iteration, else the last iteration).
+  of ``monitor evaluate`` is measured to); or the entropy is outside the band for
+  ``ENTROPY_RUN`` consecutive iterations while the rule reward over them averages no higher than
+  the warm-started policy's r_0 (:func:`entropy_collapse`); or the trainer stopped on non-finite
+  steps, or the stream carries a non-finite entropy or reward. Otherwise **healthy**: a run that
+  masters the task with a falling entropy and a rising reward is healthy.
+- **onset** = the earlier of h and the entropy clause's first iteration (for a non-finite stop: the
+  first non-finite iteration, else the last iteration).
 - **direction**: the entropy band is [0.4, 2.0] x the warm-started policy's entropy e_0 (the first
   record's: it is measured before any RL update; ``benchmarks/stability/measures.py``'s band).
-  ``high`` when the mean entropy from h on is above e_0, else ``low``.
+  ``high`` when the mean entropy from the onset on is above e_0, else ``low``.
 - **entropy_exit**: the first iteration from which entropy is outside the band for 2 iterations
   in a row (informational: how early the entropy curve shows it).
-- **instant**: the reward halved within the first 3 iterations, i.e. the first RL updates
-  destroyed the policy; no detector can lead such a collapse by 3 iterations.
+- **instant**: the onset is within the first 3 iterations, i.e. the first RL updates destroyed
+  the policy; no detector can lead such a collapse by 3 iterations.
 """
 from __future__ import annotations
 
@@ -33,7 +41,9 @@ from dpcc_megatron.monitor.evaluate import half_reward_iteration, smoothed_rewar
 BAND = (0.4, 2.0)
 """Normal entropy band as multiples of the warm-started policy's entropy (as benchmarks/stability)."""
 INSTANT = 3
-"""A collapse whose reward halves before this iteration is 'instant'."""
+"""A collapse whose onset is before this iteration is 'instant'."""
+ENTROPY_RUN = 5
+"""Consecutive iterations outside the entropy band that the entropy clause needs."""
 
 
 def _finite(v) -> bool:
@@ -52,9 +62,32 @@ def entropy_exit(records: list[dict], band: tuple[float, float], run: int = 2) -
     return None
 
 
+def _reward(r: dict):
+    v = r.get("reward_base_mean", r.get("reward_mean"))
+    return v if _finite(v) else None
+
+
+def entropy_collapse(records: list[dict], band: tuple[float, float], run: int = ENTROPY_RUN) -> Optional[int]:
+    """First iteration of ``run`` consecutive records with the entropy outside ``band`` whose rule reward
+    averages at most the first record's (the warm-started policy's): the policy turned deterministic (or
+    random) without learning. None when there is no such stretch."""
+    r0 = _reward(records[0]) if records else None
+    if r0 is None:
+        return None
+    streak = 0
+    for i, r in enumerate(records):
+        e = r.get("entropy")
+        streak = streak + 1 if _finite(e) and not band[0] <= e <= band[1] else 0
+        if streak >= run:
+            seg = [v for v in (_reward(x) for x in records[i - run + 1: i + 1]) if v is not None]
+            if seg and sum(seg) / len(seg) <= r0:
+                return int(records[i - run + 1]["iteration"])
+    return None
+
+
 def label_stream(records: list[dict], stop_reason: str = "") -> dict:
-    """``{"label", "onset", "direction", "halves", "entropy_exit", "instant", "best_reward",
-    "final_reward", "entropy_band"}`` of one stream (see the module docstring)."""
+    """``{"label", "onset", "direction", "halves", "entropy_collapse", "entropy_exit", "instant",
+    "best_reward", "final_reward", "entropy_band"}`` of one stream (see the module docstring)."""
     e0 = records[0].get("entropy") if records else None
     band = (BAND[0] * e0, BAND[1] * e0) if _finite(e0) and e0 > 0 else None
     m = [v for v in smoothed_reward(records) if v is not None]
@@ -64,9 +97,11 @@ def label_stream(records: list[dict], stop_reason: str = "") -> dict:
     bad = [int(r["iteration"]) for r in records
            if any(k in r and not _finite(r[k]) for k in ("entropy", "reward_base_mean", "reward_mean"))]
     non_finite = "non-finite" in stop_reason or bool(bad)
-    if out["halves"] is None and not non_finite:
+    out["entropy_collapse"] = entropy_collapse(records, band) if band else None
+    found = [h for h in (out["halves"], out["entropy_collapse"]) if h is not None]
+    if not found and not non_finite:
         return {"label": "healthy", "onset": None, "direction": None, "instant": False, **out}
-    onset = out["halves"] if out["halves"] is not None else (bad[0] if bad else int(records[-1]["iteration"]))
+    onset = min(found) if found else (bad[0] if bad else int(records[-1]["iteration"]))
     after = [r.get("entropy") for r in records if int(r["iteration"]) >= onset and _finite(r.get("entropy"))]
     direction = None
     if after and _finite(e0):

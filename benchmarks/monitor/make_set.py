@@ -14,17 +14,21 @@ on the reward and entropy curves, never by hand), trimmed to the fields the dete
 written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
 ``dpcc-megatron monitor evaluate --labelled DIR``.
 
-The dev/held-out split is fixed by seed before any tuning: odd seeds are ``dev``, even seeds
-``heldout`` (:func:`split_of`).
+The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 41-42 are the
+held-out part, every other seed is ``dev``. (The first held-out part, the even seeds 2-6, was read once
+with the first calibration; it then joined the dev part, and seeds 41-42 were added to every family,
+and trained, before the second calibration.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR, Grid, build_config, run_key,
                                        run_overrides)
@@ -51,8 +55,16 @@ class Family:
     extra: dict = field(default_factory=dict)
 
     def grid(self) -> Grid:
+        # The first testbed (the stability grid `small`: the demo's 2-layer GPT, 1-digit addition,
+        # 2 optimizer steps per iteration, 60 warm-start steps), whatever the stability grid's default.
         return Grid(methods=(self.method,), lrs=(self.lr,), seeds=self.seeds, iterations=self.iterations,
-                    warm_start_steps=GRIDS["full"].warm_start_steps, extra=dict(self.extra))
+                    warm_start_steps=TESTBED.warm_start_steps, extra={**TESTBED.extra, **self.extra})
+
+
+#: The stability grid whose testbed (model, task, warm-start) every stream uses.
+TESTBED = GRIDS["small"]
+#: Seeds of the held-out part (see the module docstring); each family runs them.
+HELDOUT_SEEDS = (41, 42)
 
 
 def _steps(iterations: int) -> int:
@@ -62,33 +74,37 @@ def _steps(iterations: int) -> int:
 
 FAMILIES: tuple[Family, ...] = (
     # (In build order: what matters most first, for a build its budget stops early.)
-    Family("stab-safe", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6), 20, "stability grid, safe LR"),
-    Family("stab-safe", "dpcc", SAFE_LR, (1, 2, 3, 4), 20, "stability grid, safe LR"),
+    Family("stab-safe", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
+    Family("stab-safe", "dpcc", SAFE_LR, (1, 2, 3, 4, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
     # Runs that keep going for longer at 2.5x the safe LR (learning runs' entropy falls as the reward rises;
     # whether a run stays healthy is the labelling rule's verdict, not this list's).
-    Family("learn", "dpcc", 5e-4, (1, 2), 60, "DPCC at a moderate LR, 60 iterations"),
-    Family("learn", "grpo", 5e-4, (3, 4, 5, 6), 40, "GRPO at a moderate LR, 40 iterations"),
+    Family("learn", "dpcc", 5e-4, (1, 2, *HELDOUT_SEEDS), 60, "DPCC at a moderate LR, 60 iterations"),
+    Family("learn", "grpo", 5e-4, (3, 4, 5, 6, *HELDOUT_SEEDS), 40, "GRPO at a moderate LR, 40 iterations"),
     # The high-entropy direction. Very large LRs (below) end near-deterministic on this model; flat
     # logits need the weights to shrink: a decoupled weight decay set ~1000x too large (150 at the safe
     # LR: every weight loses 3% per step) flattens the policy step by step, so entropy climbs and the
     # answers turn random.
-    Family("decay", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6), 30, "weight decay 150 (a scale fault): entropy climbs",
+    Family("decay", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 30, "weight decay 150 (a scale fault): entropy climbs",
            {"optim.weight_decay": 150.0}),
     # A step size that climbs: a linear LR warm-up to 10x the aggressive LR over the whole run.
-    Family("ramp", "grpo", BROKEN_LR, (1, 2, 3, 4, 5, 6), 30, "LR climbing linearly to 10x the aggressive LR",
+    Family("ramp", "grpo", BROKEN_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 30, "LR climbing linearly to 10x the aggressive LR",
            {"optim.lr_warmup_iters": _steps(30)}),
-    Family("stab-aggr", "grpo", AGGRESSIVE_LR, (1, 2, 3, 4), 20, "stability grid, aggressive LR"),
-    Family("stab-aggr", "dpcc", AGGRESSIVE_LR, (1, 2), 20, "stability grid, aggressive LR"),
+    Family("stab-aggr", "grpo", AGGRESSIVE_LR, (1, 2, 3, 4, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
+    Family("stab-aggr", "dpcc", AGGRESSIVE_LR, (1, 2, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
     # Half the aggressive LR over a longer run: collapses that build up over iterations, if any.
-    Family("slow-aggr", "grpo", AGGRESSIVE_LR / 2, (1, 2), 40, "half the aggressive LR, 40 iterations"),
+    Family("slow-aggr", "grpo", AGGRESSIVE_LR / 2, (1, 2, *HELDOUT_SEEDS), 40, "half the aggressive LR, 40 iterations"),
     # The smoke test's broken LR (10x the aggressive one), constant.
-    Family("broken", "grpo", BROKEN_LR, (1, 2), 20, "10x the aggressive LR"),
+    Family("broken", "grpo", BROKEN_LR, (1, 2, *HELDOUT_SEEDS), 20, "10x the aggressive LR"),
+    # Runs meant to master the task: twice the prompts per iteration (a less noisy gradient) at 2.5x the
+    # safe LR for 100 iterations, so entropy can fall a long way while the reward rises.
+    Family("master", "grpo", 5e-4, (7, *HELDOUT_SEEDS), 100, "16 prompts per iteration at 2.5x the safe LR, 100 iterations",
+           {"rollout.prompts_per_iteration": 16, "rollout.batch_size": 128, "train.mini_batch_size": 64}),
 )
 
 
 def split_of(seed: int) -> str:
-    """The split, fixed before tuning: odd seeds develop the detector, even seeds are held out."""
-    return "dev" if seed % 2 else "heldout"
+    """The split, fixed before tuning: seeds 41-42 are held out, all others develop the detector."""
+    return "heldout" if seed in HELDOUT_SEEDS else "dev"
 
 
 def run_name(fam: Family, seed: int) -> str:
@@ -130,25 +146,53 @@ def trim(records: list[dict]) -> list[dict]:
     return [{k: _short(r[k]) for k in KEEP if k in r and r[k] is not None} for r in records]
 
 
-def write_set(out: Path, dest: Path, families=FAMILIES) -> list[dict]:
-    """Label every finished run of ``families`` and write DIR/streams + DIR/labels.jsonl."""
+STABILITY_FAMILY = "stab-grid"
+_RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)$")
+
+
+def stability_runs(folder: Path) -> list[tuple[str, float, int, Path]]:
+    """(method, lr, seed, run dir) of every finished run of a stability-runner output folder whose
+    testbed is this set's (:data:`TESTBED`, read from the folder's manifest.json)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest.get("testbed") != TESTBED.extra:
+        raise SystemExit(f"{folder}: its testbed {manifest.get('testbed')} is not this set's {TESTBED.extra}")
+    out = []
+    for run_dir in sorted((folder / "runs").iterdir()):
+        m = _RUN_DIR.match(run_dir.name)
+        if m and (run_dir / "metrics.jsonl").is_file() and (run_dir / "train_summary.json").is_file():
+            out.append((m["method"], float(m["lr"]), int(m["seed"]), run_dir))
+    return out
+
+
+def _labelled(run_dir: Path, dest: Path, name: str, **info) -> Optional[dict]:
+    records = trim(read_metrics(run_dir))
+    if not records:
+        return None
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    stream = f"streams/{name}.jsonl"
+    (dest / stream).write_text("".join(json.dumps(r) + "\n" for r in records))
+    lab = label_stream(records, stop_reason=summary.get("stop_reason", ""))
+    return {"stream": stream, "label": lab.pop("label"), "split": split_of(info["seed"]), **lab,
+            "stop_reason": summary.get("stop_reason", ""), **info}
+
+
+def write_set(out: Path, dest: Path, families=FAMILIES, stability=()) -> list[dict]:
+    """Label every finished run of ``families`` (and of the stability-runner folders ``stability``) and
+    write DIR/streams + DIR/labels.jsonl."""
     (dest / "streams").mkdir(parents=True, exist_ok=True)
     labels = []
     for fam, seed in planned(families):
         name = run_name(fam, seed)
         run_dir = out / "runs" / name
-        if not (run_dir / "metrics.jsonl").is_file():
-            continue
-        records = trim(read_metrics(run_dir))
-        if not records:
-            continue
-        summary = json.loads((run_dir / "train_summary.json").read_text())
-        stream = f"streams/{name}.jsonl"
-        (dest / stream).write_text("".join(json.dumps(r) + "\n" for r in records))
-        lab = label_stream(records, stop_reason=summary.get("stop_reason", ""))
-        labels.append({"stream": stream, "label": lab.pop("label"), "split": split_of(seed),
-                       **lab, "stop_reason": summary.get("stop_reason", ""), "family": fam.name, "method": fam.method, "lr": fam.lr, "seed": seed,
-                       "source": "benchmarks/monitor/make_set.py: " + fam.why})
+        if (run_dir / "metrics.jsonl").is_file():
+            labels.append(_labelled(run_dir, dest, name, family=fam.name, method=fam.method, lr=fam.lr, seed=seed,
+                                    source="benchmarks/monitor/make_set.py: " + fam.why))
+    for folder in stability:
+        for method, lr, seed, run_dir in stability_runs(Path(folder)):
+            name = f"{STABILITY_FAMILY}__{run_key(method, lr, seed)}"
+            labels.append(_labelled(run_dir, dest, name, family=STABILITY_FAMILY, method=method, lr=lr, seed=seed,
+                                    source="benchmarks/stability/run.py --grid small"))
+    labels = [x for x in labels if x is not None]
     (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
     return labels
 
@@ -162,6 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
     p.add_argument("--no-train", action="store_true", help="only label and write what is already trained")
+    p.add_argument("--stability", action="append", default=[], metavar="DIR",
+                   help="also label and write the runs of this `benchmarks.stability.run --grid small` output "
+                        "folder (family stab-grid; split by seed like the rest)")
     args = p.parse_args(argv)
     if args.jobs != 1:
         p.error("--jobs: only 1 is supported (runs share the machine's cores)")
@@ -172,7 +219,7 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     failures = 0
     if not args.no_train:
-        warm = ensure_warm_start(out, GRIDS["full"], args.run_timeout)
+        warm = ensure_warm_start(out, TESTBED, args.run_timeout)
         deadline = time.time() + args.budget_minutes * 60 if args.budget_minutes else None
         todo = planned(families)
         for i, (fam, seed) in enumerate(todo, 1):
@@ -190,7 +237,7 @@ def main(argv=None) -> int:
             print(f"[monitor-set] {i}/{len(todo)} {name}: exit {rc}, {wall:.0f}s" +
                   ("" if ok else f", no outputs; log tail:\n{tail}"), flush=True)
     if args.write:
-        labels = write_set(out, Path(args.write), families)
+        labels = write_set(out, Path(args.write), families, args.stability)
         n = {k: sum(x["label"] == k for x in labels) for k in ("collapse", "healthy")}
         print(f"[monitor-set] wrote {len(labels)} streams to {args.write} ({n['collapse']} collapse, "
               f"{n['healthy']} healthy)", flush=True)

@@ -19,7 +19,8 @@ Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 * **precision**: those detections over all streams with a confirmed critical alert;
 * **lead**: iterations from the first confirmed critical alert to that half-reward iteration
   (collapsed streams whose reward halves); the median is reported;
-* **healthy_critical**: confirmed critical alerts on healthy streams;
+* **healthy_critical**: confirmed critical alerts on healthy streams (``healthy_alarmed``: the
+  healthy streams with at least one);
 * **warnings_per_100_healthy**: warnings (any non-confirmed alert) per 100 healthy iterations.
 
 The reward read is the rule track (``reward_base_mean``) when the stream has it, else
@@ -191,6 +192,7 @@ def score(results: list[StreamResult]) -> dict:
         "precision": len(hits) / len(alarmed) if alarmed else None,
         "median_lead_iterations": statistics.median(leads) if leads else None,
         "healthy_critical": sum(r.criticals for r in healthy),
+        "healthy_alarmed": sum(r.criticals > 0 for r in healthy),
         "warnings_per_100_healthy": 100.0 * sum(r.warnings for r in healthy) / healthy_iters if healthy_iters else None,
     }
 

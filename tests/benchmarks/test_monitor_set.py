@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.monitor.labels import label_stream
-from benchmarks.monitor.make_set import FAMILIES, split_of, trim
+from benchmarks.monitor.make_set import FAMILIES, HELDOUT_SEEDS, TESTBED, split_of, stability_runs, trim, write_set
 from dpcc_megatron.monitor.evaluate import read_labels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,9 +26,11 @@ def test_labelling_rule_on_curves():
     # learning: reward rises, entropy falls far below the band -> healthy (a mastered task)
     learn = label_stream(_stream([0.3 + 0.02 * i for i in range(30)], [0.8 - 0.025 * i for i in range(30)]))
     assert learn["label"] == "healthy" and learn["onset"] is None and learn["entropy_exit"] is not None
-    # reward falls to a tenth from iteration 10 and stays: collapse; trailing mean halves at 11
+    # reward falls to a tenth from iteration 10 and stays: collapse; trailing mean halves at 11, and the
+    # entropy left the band at 10 with the reward below the start (the entropy clause): onset 10
     down = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [0.1] * 10))
-    assert (down["label"], down["onset"], down["direction"], down["instant"]) == ("collapse", 11, "low", False)
+    assert (down["label"], down["onset"], down["direction"], down["instant"]) == ("collapse", 10, "low", False)
+    assert down["halves"] == 11
     assert down["entropy_exit"] == 10 and down["entropy_band"] == [0.32, 1.6]
     # the entropy climbs instead: same onset, high direction
     up = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [3.0] * 10))
@@ -38,14 +40,31 @@ def test_labelling_rule_on_curves():
     # a dip the run recovers from, or a fall in its last iterations, is no collapse
     assert label_stream(_stream([0.4] * 5 + [0.05] * 4 + [0.4] * 6, [0.8] * 15))["label"] == "healthy"
     assert label_stream(_stream([0.4] * 10 + [0.05] * 3, [0.8] * 13))["label"] == "healthy"
+
+
+def test_entropy_clause_of_the_labelling_rule():
+    # entropy leaves the band (0.4 x 0.8 = 0.32) for 5 iterations from 6 with the reward no better than
+    # at the start, and the reward never halves: a collapse read on the entropy curve, onset 6
+    flat = label_stream(_stream([0.3] * 20, [0.8] * 6 + [0.2] * 14))
+    assert (flat["label"], flat["onset"], flat["halves"], flat["entropy_collapse"], flat["direction"]) == (
+        "collapse", 6, None, 6, "low")
+    # four iterations out of the band are not enough; nor is a stretch in which the reward rose (mastering)
+    assert label_stream(_stream([0.3] * 20, [0.8] * 6 + [0.2] * 4 + [0.8] * 10))["label"] == "healthy"
+    assert label_stream(_stream([0.3] * 6 + [0.6] * 14, [0.8] * 6 + [0.2] * 14))["label"] == "healthy"
+    # above the band (random output) counts alike
+    assert label_stream(_stream([0.3] * 20, [0.8] * 6 + [2.0] * 14))["direction"] == "high"
+    # the earlier of the two clauses is the onset
+    both = label_stream(_stream([0.3] * 10 + [0.02] * 10, [0.8] * 4 + [0.2] * 16))
+    assert (both["onset"], both["halves"], both["entropy_collapse"]) == (4, 11, 4)
     # a trainer stopped on non-finite steps
     nf = label_stream(_stream([0.4] * 6, [0.8] * 5 + [float("nan")]), stop_reason="stopped: 5 consecutive non-finite")
     assert nf["label"] == "collapse" and nf["onset"] == 5
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
-    assert [split_of(s) for s in (1, 2, 3, 4)] == ["dev", "heldout", "dev", "heldout"]
-    assert all(set(f.seeds) & {1, 3} and set(f.seeds) & {2, 4} for f in FAMILIES)  # every family in both
+    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42)] == ["dev"] * 4 + ["heldout"] * 2
+    # every family in both parts
+    assert all(set(f.seeds) - set(HELDOUT_SEEDS) and set(f.seeds) >= set(HELDOUT_SEEDS) for f in FAMILIES)
     rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
            "kl_estimator": "k3"}
     assert trim([rec]) == [{"iteration": 3, "entropy": 0.12346, "kl_step_max": 0.5, "kl_estimator": "k3"}]
@@ -64,6 +83,30 @@ def test_committed_set_matches_its_split_rule_and_labels():
         part = [x for x in labels if x["split"] == split]
         assert any(x["label"] == "collapse" for x in part) and any(x["label"] == "healthy" for x in part)
     assert any(x["direction"] == "high" for x in labels)
+
+
+def _fake_run(folder: Path, name: str, rewards, entropies):
+    run = folder / "runs" / name
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stream(rewards, entropies)))
+    (run / "train_summary.json").write_text(json.dumps({"stop_reason": "completed"}))
+
+
+def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
+    stab = tmp_path / "small"
+    _fake_run(stab, "grpo__lr0.002__s9", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.0002__s41", [0.3] * 20, [0.8] * 20)
+    (stab / "runs" / "not-a-run").mkdir()
+    (stab / "manifest.json").write_text(json.dumps({"testbed": TESTBED.extra}))
+    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 41), ("grpo", 0.002, 9)]
+    labels = write_set(tmp_path / "set", tmp_path / "out", families=(), stability=[stab])
+    got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
+    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 41, "heldout", "healthy")}
+    assert len(read_labels(tmp_path / "out")) == 2  # a valid labelled set
+    # another testbed (the 4-layer grid) is refused, not mixed in
+    (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
+    with pytest.raises(SystemExit, match="testbed"):
+        stability_runs(stab)
 
 
 def _evaluate(folder, split):

@@ -37,6 +37,11 @@ def wait_for(pred, timeout=15.0, interval=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+#: The KL window warning alone (kl_threshold 0.8 for kl_window 3, the document's example), without the
+#: calibrated critical KL rules, for the tests whose stream exercises that warning (_record's 0.95s).
+KL_WARNING_ONLY = dict(kl_critical_threshold=None, kl_sustained_threshold=None)
+
+
 def fast_cfg(**kw) -> MonitorConfig:
     """A config with short client timeouts/backoff so tests run quickly."""
     base = dict(request_timeout_s=1.0, retry_max_backoff_s=0.3, control_poll_interval_s=0.2,

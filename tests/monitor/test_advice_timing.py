@@ -6,13 +6,13 @@ import time
 
 from dpcc_megatron.monitor.client import MonitorClient
 
-from .helpers import fast_cfg
+from .helpers import KL_WARNING_ONLY, fast_cfg
 from .test_sidecar_e2e import _record
 
 
 def test_advice_caused_by_a_record_is_pending_once_it_is_delivered(tmp_path, sidecars):
     # The background control poll is made rare, so only the ingest answer can bring the advice.
-    cfg = fast_cfg(control_poll_interval_s=60.0)
+    cfg = fast_cfg(control_poll_interval_s=60.0, **KL_WARNING_ONLY)
     h = sidecars(tmp_path / "m.sqlite", cfg=cfg)
     client = MonitorClient.from_config(cfg, address=h.address, token=h.token, run_id="timing",
                                        output_dir=str(tmp_path))

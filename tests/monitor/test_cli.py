@@ -34,8 +34,10 @@ def test_replay_prints_alerts_and_final_json(tmp_path):
     recs.append({"iteration": 6, "entropy": 4.0, "kl_old_new": 0.1, "repetition_rate": 0.9})
     stream = tmp_path / "metrics.jsonl"
     _write_stream(stream, recs)
+    # the KL window warning (kl_threshold 0.8 for kl_window 3), without the calibrated critical KL rules
+    kl_warning_only = "  kl_critical_threshold: null\n  kl_sustained_threshold: null\n"
     cfg = tmp_path / "job.yaml"
-    cfg.write_text("monitor:\n  entropy_band: [3.5, 5.0]\n")
+    cfg.write_text("monitor:\n  entropy_band: [3.5, 5.0]\n" + kl_warning_only)
     out = cli("replay", "--input", str(stream), "--config", str(cfg))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
@@ -46,12 +48,18 @@ def test_replay_prints_alerts_and_final_json(tmp_path):
     text = "\n".join(lines[:-1])
     assert "estimator k3" in text and "control advice: reduce_lr x0.5" in text
     # without the explicit band (not yet calibrated) the 4.2 -> 7.8 rise still fires as a jump
-    out = cli("replay", "--input", str(stream))
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("monitor:\n" + kl_warning_only)
+    out = cli("replay", "--input", str(stream), "--config", str(plain))
     rules = [(a["rule"], a["iteration"]) for a in json.loads(out.stdout.strip().splitlines()[-1])["alerts"]]
     assert ("high_entropy", 5) in rules and ("kl_drift", 3) in rules
     # overrides change thresholds: a KL window of 4 never fills
-    out = cli("replay", "--input", str(stream), "-o", "monitor.kl_window=4")
+    out = cli("replay", "--input", str(stream), "--config", str(plain), "-o", "monitor.kl_window=4")
     assert "kl_drift" not in out.stdout.strip().splitlines()[-1]
+    # the shipped defaults: 0.9 from iteration 1 is over kl_critical_threshold (0.5), a runaway at once
+    out = cli("replay", "--input", str(stream))
+    alerts = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
+    assert {"rule": "kl_drift", "iteration": 1, "severity": "critical"} in alerts
 
 
 def test_replay_names_the_malformed_line(tmp_path):

@@ -14,6 +14,8 @@ from dpcc_megatron.monitor.alerts import Alert, ControlAdvice, ControlPolicy
 from dpcc_megatron.monitor.detector import CollapseDetector, run_detector
 from dpcc_megatron.monitor.metrics import repetition_stats
 
+from .helpers import KL_WARNING_ONLY
+
 
 def stream(field, values, start=0, **extra):
     return [{"iteration": start + i, field: v, **extra} for i, v in enumerate(values)]
@@ -27,7 +29,8 @@ def rules(alerts):
 #: low-entropy stretch a warning unless a template collapse, confirmation after 3 steps, no KL runaway
 #: rule, grad spikes at 5x): the paths these still exercise are kept and tested with it.
 PRE_CALIBRATION = dict(entropy_band_relative=None, mastered_reward_gain=None, collapse_confirm_steps=3,
-                       kl_critical_threshold=None, grad_spike_factor=5.0)
+                       kl_critical_threshold=None, kl_sustained_threshold=None, grad_spike_factor=5.0)
+
 
 
 def old_cfg(**kw):
@@ -142,7 +145,7 @@ def test_entropy_floor_and_template_rule_can_be_turned_off():
 
 
 def test_kl_three_consecutive_batches_fire_and_name_the_estimator():
-    alerts = run_detector(stream("kl_old_new", [0.1, 0.9, 0.9, 0.9], kl_estimator="k3"))
+    alerts = run_detector(stream("kl_old_new", [0.1, 0.9, 0.9, 0.9], kl_estimator="k3"), MonitorConfig(**KL_WARNING_ONLY))
     assert rules(alerts) == [("kl_drift", 3)]
     a = alerts[0]
     assert "k3" in a.message and a.details["estimator"] == "k3"
@@ -150,8 +153,11 @@ def test_kl_three_consecutive_batches_fire_and_name_the_estimator():
 
 
 def test_kl_interrupted_run_does_not_fire():
-    assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9])) == []
-    assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9])) == []  # 0.8 is not above 0.8
+    cfg = MonitorConfig(**KL_WARNING_ONLY)
+    assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]), cfg) == []
+    assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9]), cfg) == []  # 0.8 is not above 0.8
+    # with the calibrated defaults each 0.9 is a runaway (over kl_critical_threshold 0.5)
+    assert rules(run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))) == [("kl_drift", 0)]
 
 
 def test_kl_threshold_and_window_are_configurable():
@@ -205,7 +211,7 @@ def test_confirmed_collapse_and_control_mapping():
 
 
 def test_cooldown_and_escalation():
-    cfg = MonitorConfig(alert_cooldown=4)
+    cfg = MonitorConfig(alert_cooldown=4, **KL_WARNING_ONLY)
     alerts = run_detector(stream("kl_old_new", [0.9] * 10), cfg)
     assert [a.iteration for a in alerts] == [2, 6]  # re-alerts only after the cooldown
 
@@ -250,7 +256,7 @@ def test_state_dict_round_trip_continues_identically():
 
 
 def test_rewind_to_new_attempt_resets_windows_and_ignores_stale():
-    det = CollapseDetector(MonitorConfig())
+    det = CollapseDetector(MonitorConfig(**KL_WARNING_ONLY))
     for r in stream("kl_old_new", [0.9, 0.9], attempt=1):
         det.update(r)
     # stale record of the same attempt is ignored
@@ -267,7 +273,7 @@ def test_rules_judge_the_rule_track_and_each_steps_own_kl():
     iteration-mean KL is diluted by the fresh first step while one step's KL is far over."""
     from dpcc_megatron.monitor.detector import judged_view
 
-    cfg = MonitorConfig(reward_collapse_patience=3, kl_threshold=0.5, kl_window=2)
+    cfg = MonitorConfig(reward_collapse_patience=3, kl_threshold=0.5, kl_window=2, **KL_WARNING_ONLY)
     det = CollapseDetector(cfg)
     alerts = []
     for i in range(6):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpcc_megatron.monitor.client import MonitorClient
 
-from .helpers import fast_cfg, http, wait_for
+from .helpers import KL_WARNING_ONLY, fast_cfg, http, wait_for
 
 
 def _stored(db, run_id):
@@ -119,7 +119,7 @@ def test_bad_messages_rejected_counted_and_serving_continues(tmp_path, sidecars)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_hook = f"http://127.0.0.1:{s.getsockname()[1]}/hook"
-    cfg = fast_cfg(max_message_bytes=4096)
+    cfg = fast_cfg(max_message_bytes=4096, **KL_WARNING_ONLY)
     h = sidecars(tmp_path / "m.sqlite", cfg=cfg, webhook_url=dead_hook)
     url, tok = f"{h.url}/ingest", h.token
     good = {"records": [{"iteration": 0, "entropy": 4.0, "run_id": "bad"}]}

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpcc_megatron.monitor.client import MonitorClient
 
-from .helpers import fast_cfg, http, wait_for
+from .helpers import KL_WARNING_ONLY, fast_cfg, http, wait_for
 
 
 class _Webhook:
@@ -56,7 +56,7 @@ def _record(i):
 def test_records_alerts_sqlite_prometheus_tensorboard_sinks(tmp_path, sidecars):
     hook = _Webhook()
     try:
-        cfg = fast_cfg(entropy_band=(3.5, 5.0))
+        cfg = fast_cfg(entropy_band=(3.5, 5.0), **KL_WARNING_ONLY)
         h = sidecars(tmp_path / "m.sqlite", cfg=cfg, tensorboard_dir=str(tmp_path / "tb"),
                      alerts_jsonl=str(tmp_path / "alerts.jsonl"), webhook_url=hook.url)
         log = Path(h.log_path).read_text()
