@@ -402,7 +402,7 @@ def budget_lines(manifest: dict, results: list[dict], full_runs: int) -> list[st
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
                  export: bool = False) -> Path:
     from .grid import GRIDS, IMPROVED_VARIANT, METHODS, PAPER_VARIANT
-    from .measures import BAND, SOLVED
+    from .measures import BAND
 
     full_grid = GRIDS["full"]
     results, failed = load_results(out, target)
@@ -444,12 +444,13 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "The baselines use the rule reward only and no drift-aware LR (`dapo` with dynamic sampling); `dpcc` is the "
         "calibrated default (`loss.dpcc.preset: calibrated`, contrastive track gated on rule spread) and `dpcc-paper` "
         "the literal specification (`loss.dpcc.preset: paper`, ungated dual-track reward): the dual-track reward, "
-        "the adaptive τ, the early phase and the drift-aware LR. The monitor's collapse detector "
-        "adaptive τ, the early phase and the drift-aware LR (all defaults). The monitor's collapse detector "
-        "(`run_detector`) judges each run's metric stream; a run collapsed when it raised a confirmed critical "
-        f"alert, `low_entropy` (entropy below the band for 3 iterations; the band is {BAND[0]}× to {BAND[1]}× the "
-        "warm-started policy's entropy, measured at iteration 1 before any update), or `reward_collapse` "
-        f"(no reward variance for 5 iterations) while the sampled rule reward was below {SOLVED}. The detector "
+        "the adaptive τ, the early phase and the drift-aware LR (all defaults). A run collapsed by the written "
+        "rule on its curves that also labels the monitor's labelled set (`benchmarks/monitor/labels.py`): the "
+        "rule-track reward (3-iteration trailing mean) fell below half its best for good, or the entropy stayed "
+        f"outside {BAND[0]}× to {BAND[1]}× the warm-started policy's (iteration 1, before any update) for 5 "
+        "iterations with the reward no better than at the start, or the trainer stopped on non-finite steps. "
+        "'Detector-confirmed' counts the runs on which the monitor's collapse detector (`run_detector`, shipped "
+        "defaults) confirmed a critical alert, as it would advise rollback in training; the detector "
         "only judges: no sidecar runs, so no advice reaches the trainer. Target: sampled rule reward (3-iteration moving "
         f"mean) ≥ {target}. 'Final greedy reward' is the trainer's held-out greedy rule reward after RL "
         "(the warm-started policy's value depends on the seed's held-out prompts); 'ended below start' counts runs "

@@ -1,17 +1,15 @@
-"""Per-run measures from the trainer's outputs (pure Python; the detector is the judge of collapse).
+"""Per-run measures from the trainer's outputs (pure Python).
 
-A run *collapsed* when the monitor's collapse detector, run over its metric stream, raises
+A run *collapsed* by the written rule on its reward and entropy curves that also labels the
+monitor's labelled set (:func:`benchmarks.monitor.labels.label_stream`): the rule-track reward
+halved for good (``reward_halved``), or the entropy left the band [0.4, 2.0] x the warm-started
+policy's for 5 iterations while the reward was no better than at the start (``entropy_band``), or
+the trainer stopped on non-finite steps (``non_finite``). The iteration is the rule's onset.
 
-- a confirmed alert (a critical condition held ``collapse_confirm_steps`` iterations:
-  entropy above the band, repetition, low entropy without learning, a per-step KL runaway,
-  non-finite values), or
-- ``low_entropy`` (the policy turned near-deterministic: entropy below the band for
-  ``low_entropy_patience`` steps, or repetition), or
-- ``reward_collapse`` (no reward variance for ``reward_collapse_patience`` steps) while the
-  sampled rule reward is below ``SOLVED`` (a policy that solved the task is not collapsed),
-
-or when the trainer stopped on non-finite steps. The other warnings (kl_drift, grad_spike,
-high_entropy jumps) are counted per rule but are not a collapse.
+The monitor's collapse detector is not the judge: it reads the KL, so a method that measures its
+drift more often (DPCC's post-step probe) or runs at a larger but stable step would be called
+collapsed for its KL alone. What the detector confirms on each run is still reported
+(``detector_confirmed``, ``alerts_by_rule``), as the monitor would act on it in training.
 """
 from __future__ import annotations
 
@@ -19,12 +17,8 @@ import dataclasses
 import math
 from typing import Optional
 
+from benchmarks.monitor.labels import BAND, label_stream
 from dpcc_megatron.monitor.detector import run_detector
-
-BAND = (0.4, 2.0)
-"""Normal entropy band as multiples of the warm-started policy's entropy."""
-SOLVED = 0.9
-"""Sampled rule reward at which uniform groups mean 'all right', not 'no signal'."""
 SMOOTH = 3
 """Iterations in the moving mean of the sampled rule reward used for 'reached the target'."""
 
@@ -68,35 +62,28 @@ def judge_config(monitor_cfg, records: list[dict]):
     return dataclasses.replace(monitor_cfg, entropy_band=(BAND[0] * first, BAND[1] * first))
 
 
-def is_collapse(alert, reward_at: dict) -> bool:
-    """Whether one detector alert marks a collapse (see the module docstring)."""
-    if alert.confirmed or alert.rule in ("low_entropy", "non_finite"):
-        return True
-    if alert.rule == "reward_collapse":
-        r = reward_at.get(alert.iteration)
-        return r is None or not math.isfinite(r) or r < SOLVED
-    return False
-
-
 def collapse_verdict(records: list[dict], monitor_cfg, stop_reason: str = "") -> dict:
-    """Run the detector over ``records``; return collapsed / rule / iteration and every rule that fired."""
+    """The run's verdict by the curve rule (see the module docstring), plus what the detector
+    (``monitor_cfg``) raised over ``records``."""
+    label = label_stream(records, stop_reason) if records else {"label": "collapse", "onset": 0, "halves": None,
+                                                                 "entropy_collapse": None}
     alerts = run_detector(records, monitor_cfg)
-    reward_at = {int(r["iteration"]): r.get("reward_base_mean", float("nan")) for r in records}
-    collapses = [a for a in alerts if is_collapse(a, reward_at)]
     fired: dict[str, int] = {}
     for a in alerts:
         fired[a.rule] = fired.get(a.rule, 0) + 1
     confirmed = [a for a in alerts if a.confirmed]
-    verdict = {"collapsed": bool(collapses), "collapse_rule": None, "collapse_iteration": None,
+    verdict = {"collapsed": label["label"] == "collapse", "collapse_rule": None, "collapse_iteration": None,
                "alerts_by_rule": fired,
                # what the product's own rules confirm (these would trigger a rollback in training)
                "detector_confirmed": confirmed[0].rule if confirmed else None,
+               "detector_confirmed_iteration": confirmed[0].iteration if confirmed else None,
                "first_alert": ({"rule": alerts[0].rule, "severity": alerts[0].severity,
                                 "iteration": alerts[0].iteration} if alerts else None)}
-    if collapses:
-        verdict["collapse_rule"], verdict["collapse_iteration"] = collapses[0].rule, collapses[0].iteration
-    elif "non-finite" in stop_reason:
-        verdict.update(collapsed=True, collapse_rule="non_finite", collapse_iteration=len(records))
+    if verdict["collapsed"]:
+        onset = label["onset"]
+        rule = ("reward_halved" if onset == label["halves"] else
+                "entropy_band" if onset == label["entropy_collapse"] else "non_finite")
+        verdict["collapse_rule"], verdict["collapse_iteration"] = rule, onset
     return verdict
 
 
