@@ -447,7 +447,6 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "calibrated default (`loss.dpcc.preset: calibrated`, contrastive track gated on rule spread) and `dpcc-paper` "
         "the literal specification (`loss.dpcc.preset: paper`, ungated dual-track reward): the dual-track reward, "
         "the adaptive τ, the early phase and the drift-aware LR. The monitor's collapse detector "
-        "adaptive τ, the early phase and the drift-aware LR (all defaults). The monitor's collapse detector "
         "(`run_detector`) judges each run's metric stream; a run collapsed when it raised a confirmed critical "
         f"alert, `low_entropy` (entropy below the band for 3 iterations; the band is {BAND[0]}× to {BAND[1]}× the "
         "warm-started policy's entropy, measured at iteration 1 before any update), or `reward_collapse` "
