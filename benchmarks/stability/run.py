@@ -160,6 +160,8 @@ def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
 
 def write_manifest(out: Path, grid: Grid, argv) -> None:
     """What the report needs to say how the results were made."""
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
     from .analyze import machine
 
     path = out / "manifest.json"
@@ -172,6 +174,7 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
         "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(), "out": str(out), "iterations": grid.iterations, "testbed": grid.extra,
         "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
+        "dpcc_presets": DPCC_PRESETS,  # the preset values the `dpcc` methods ran with
         "sets": old.get("sets", []) + ([grid.sets] if grid.sets and grid.sets not in old.get("sets", []) else []),
         "sessions": old.get("sessions", []),
     })

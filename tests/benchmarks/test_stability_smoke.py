@@ -168,6 +168,15 @@ def test_set_option_overrides_every_run_and_keeps_its_own_cache_entry(tmp_path):
     (ok, _), name = load_results(tmp_path), variant_name("dpcc-paper", a9.sets)
     assert name == "dpcc-paper[loss.dpcc.alpha=9]" and [r["method"] for r in ok] == [name]
 
+    from benchmarks.stability.run import write_manifest
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
+    for g in (a9, a9, a4):
+        write_manifest(tmp_path, g, ["--set", "x"])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["sets"] == [{"loss.dpcc.alpha": 9}, {"loss.dpcc.alpha": 4.5}]
+    assert manifest["dpcc_presets"] == DPCC_PRESETS
+
 
 @pytest.mark.slow
 def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
