@@ -311,8 +311,8 @@ def export(grid: Grid, out: Path, path) -> int:
     if path is None:
         return 0
     done = set(grid.runs()) - set(pending_runs(grid, out))
-    rows = [json.loads((out / "results" / f"{run_key(m, lr, s, grid.sets)}.json").read_text()) for m, lr, s in grid.runs()
-            if (m, lr, s) in done]
+    rows = [json.loads((out / "results" / f"{run_key(m, lr, s, grid.sets)}.json").read_text())
+            for m, lr, s in grid.runs() if (m, lr, s) in done]
     Path(path).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     print(f"[stability] exported {len(rows)} runs to {path}", flush=True)
     return 0
