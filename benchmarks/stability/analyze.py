@@ -70,11 +70,13 @@ def mean_ci95(values) -> tuple[float, float, float, int]:
 # ---------------------------------------------------------------- loading
 def load_results(out: Path, target: float | None = None) -> tuple[list[dict], list[dict]]:
     """Cached results (ok, failed); with ``target`` the iterations-to-target are recomputed from the curves."""
+    from .grid import variant_name
     from .measures import iterations_to_target
 
     ok, failed = [], []
     for path in sorted((out / "results").glob("*.json")):
         r = json.loads(path.read_text())
+        r["method"] = variant_name(r["method"], r.get("set"))  # a development variant is its own method
         if "error" not in r and target is not None:
             r["iters_to_target"] = iterations_to_target(r["reward_base_curve"], target)
             r["target_reward"] = target

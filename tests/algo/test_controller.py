@@ -247,12 +247,14 @@ def test_warmup_multiplies_the_drift_factor_and_is_not_counted_as_a_drift_cut():
 
 
 def test_calibrated_alpha_moves_tau_at_the_kl_target():
-    """The calibrated preset's tau reaches tau_min at the stated KL target (0.005 nats/token)."""
+    """The calibrated preset's tau reaches tau_min at the stated KL target (0.01 nats/token of the drift
+    probe's KL), moves at the probe KLs of the safe LR (~4e-3) without reaching tau_min there."""
     from dpcc_megatron.algo.schedule import adaptive_threshold
     from dpcc_megatron.config.algo import DPCC_PRESETS
 
     p = DPCC_PRESETS["calibrated"]
-    assert adaptive_threshold(p["tau0"], p["alpha"], 0.005, p["tau_min"]) == pytest.approx(p["tau_min"], rel=1e-3)
-    assert adaptive_threshold(p["tau0"], p["alpha"], 0.001, p["tau_min"]) < 0.97 * p["tau0"]  # reacts at 1e-3
+    assert adaptive_threshold(p["tau0"], p["alpha"], 0.01, p["tau_min"]) == pytest.approx(p["tau_min"], rel=1e-3)
+    assert adaptive_threshold(p["tau0"], p["alpha"], 0.009, p["tau_min"]) > p["tau_min"]  # not before the target
+    assert p["tau_min"] < adaptive_threshold(p["tau0"], p["alpha"], 0.004, p["tau_min"]) < 0.95 * p["tau0"]
     q = DPCC_PRESETS["paper"]
     assert adaptive_threshold(q["tau0"], q["alpha"], 0.001, q["tau_min"]) > 0.99 * q["tau0"]  # the paper's barely moves

@@ -138,6 +138,58 @@ def test_engine_flag_selects_the_rollout_engine_of_every_run():
     assert vllm.methods == GRIDS["smoke"].methods and GRIDS["smoke"].extra.get("rollout.engine") is None
 
 
+def test_set_option_overrides_every_run_and_keeps_its_own_cache_entry(tmp_path):
+    import argparse
+
+    from benchmarks.stability.analyze import load_results
+    from benchmarks.stability.grid import variant_name
+    from benchmarks.stability.run import parse_sets, pending_runs, select_grid, warm_start_spec
+    from dpcc_megatron.config import ConfigError
+
+    def grid(sets=None, methods=("dpcc-paper",)):
+        return select_grid(argparse.Namespace(grid="smoke", methods=methods, lrs=None, seeds=None, iterations=None,
+                                              task=None, digits=None, steps_per_iteration=None, engine="megatron",
+                                              set=sets))
+
+    assert parse_sets(["loss.dpcc.alpha=9", "loss.dpcc.drift_lr=false"]) == {"loss.dpcc.alpha": 9,
+                                                                             "loss.dpcc.drift_lr": False}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_sets(["loss.dpcc.alpha"])
+    with pytest.raises(ConfigError, match="loss.dpcc.alfa"):
+        grid(["loss.dpcc.alfa=9"])  # refused before any run starts, the key named
+    with pytest.raises(ConfigError, match="alpha"):
+        grid(["loss.dpcc.alpha=-1"])
+    plain, a9, a4 = grid(), grid(["loss.dpcc.alpha=9"]), grid(["loss.dpcc.alpha=4.5"])
+    over = run_overrides(a9, "dpcc-paper", AGGRESSIVE_LR, 1)
+    # applied after the method's overrides: the set value wins, the method's others stay
+    assert over["loss.dpcc.alpha"] == 9 and over["loss.dpcc.preset"] == "paper"
+    assert "loss.dpcc.alpha" not in run_overrides(plain, "dpcc-paper", AGGRESSIVE_LR, 1)
+    keys = {run_key("dpcc-paper", AGGRESSIVE_LR, 1, g.sets) for g in (plain, a9, a4)}
+    assert len(keys) == 3 and run_key("dpcc-paper", AGGRESSIVE_LR, 1) in keys
+    assert run_key("dpcc-paper", AGGRESSIVE_LR, 1, {"loss.dpcc.alpha": 9}) == run_key(
+        "dpcc-paper", AGGRESSIVE_LR, 1, a9.sets)  # stable across invocations
+
+    # a finished alpha=9 run is cached for alpha=9 only
+    (tmp_path / "results").mkdir()
+    key = run_key("dpcc-paper", AGGRESSIVE_LR, 1, a9.sets)
+    (tmp_path / "results" / f"{key}.json").write_text(json.dumps({
+        "version": 1, "method": "dpcc-paper", "lr": AGGRESSIVE_LR, "seed": 1, "set": a9.sets,
+        "overrides": run_overrides(a9, "dpcc-paper", AGGRESSIVE_LR, 1), "warm_start": warm_start_spec(a9)}))
+    assert pending_runs(a9, tmp_path) == []
+    assert pending_runs(plain, tmp_path) == pending_runs(a4, tmp_path) == [("dpcc-paper", AGGRESSIVE_LR, 1)]
+    (ok, _), name = load_results(tmp_path), variant_name("dpcc-paper", a9.sets)
+    assert name == "dpcc-paper[loss.dpcc.alpha=9]" and [r["method"] for r in ok] == [name]
+
+    from benchmarks.stability.run import write_manifest
+    from dpcc_megatron.config.algo import DPCC_PRESETS
+
+    for g in (a9, a9, a4):
+        write_manifest(tmp_path, g, ["--set", "x"])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["sets"] == [{"loss.dpcc.alpha": 9}, {"loss.dpcc.alpha": 4.5}]
+    assert manifest["dpcc_presets"] == DPCC_PRESETS
+
+
 @pytest.mark.slow
 def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     out = tmp_path / "stability"
