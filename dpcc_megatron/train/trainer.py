@@ -12,6 +12,7 @@ Every rank runs :func:`train`. One iteration:
 """
 from __future__ import annotations
 
+import math
 import signal
 import time
 
@@ -81,6 +82,7 @@ def train(cfg: JobConfig) -> dict:
     summary: dict = {"alerts": []}
     if cfg.loss.name == "dpcc":  # which DPCC ran: the calibrated default or the paper's literal method
         summary["dpcc_preset"] = cfg.loss.dpcc.preset
+    probe_enabled = cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe
 
     release = release_memory_enabled(cfg.train.release_memory_between_phases)
     start_iteration = ctx.resume(controller)
@@ -138,8 +140,8 @@ def train(cfg: JobConfig) -> dict:
                 consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
         gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
-        probe_kl = float("nan")
-        if cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe:  # the drift the iteration's steps made
+        probe_kl = None
+        if probe_enabled:  # the drift the iteration's steps made
             first = order[:mini][:probe_samples(cfg, mini)]
             probe_kl = probe_drift(ctx.chunks, controller, batch.select(first), cfg, dp_size=ctx.dp,
                                    dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size)
@@ -148,9 +150,9 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
-        if cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe:  # the probe is a step's KL too
+        if probe_kl is not None:  # the probe is a step's KL too
             record["kl_probe"] = probe_kl
-            if probe_kl == probe_kl:
+            if math.isfinite(probe_kl):
                 record["kl_step_max"] = max(record.get("kl_step_max") or 0.0, probe_kl)
         log.line(record)
         advice = ctx.monitor_exchange(record)
