@@ -2,7 +2,8 @@
 sampler/trainer mismatch over iterations, with alert markers. PNG, or HTML embedding the PNG.
 
 The panels show what the detector's rules read: the KL panel has each iteration's largest
-per-step KL (``kl_step_max``, what ``kl_drift`` judges) next to the iteration mean, and the reward
+per-step KL (``kl_step_max``, what ``kl_drift`` judges) next to the iteration mean and DPCC's
+post-step drift probe (``kl_probe``, the controller's input, not judged), and the reward
 panel the rule track (``reward_base_mean``, what reward and template collapse are judged on).
 
 Alerts are marked by severity so that a warning never looks like a collapse (:func:`alert_style`):
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 PANELS: list[tuple[str, Sequence[str], str]] = [
     ("Token entropy (nats)", ("entropy",), "entropy"),
-    ("KL", ("kl_old_new", "kl_step_max", "kl_ref"), "kl"),
+    ("KL", ("kl_old_new", "kl_step_max", "kl_probe", "kl_ref"), "kl"),
     ("DPCC τ_t", ("tau",), "tau"),
     ("LR factor", ("lr_factor",), "lr_factor"),
     ("Reward (mean ± std; rule track)", ("reward_mean", "reward_base_mean"), "reward"),

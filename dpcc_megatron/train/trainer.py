@@ -12,7 +12,6 @@ Every rank runs :func:`train`. One iteration:
 """
 from __future__ import annotations
 
-import math
 import signal
 import time
 
@@ -150,10 +149,8 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
-        if probe_kl is not None:  # the probe is a step's KL too
+        if probe_kl is not None:  # DPCC's controller input; not a step's KL, so kl_step_max leaves it out
             record["kl_probe"] = probe_kl
-            if math.isfinite(probe_kl):
-                record["kl_step_max"] = max(record.get("kl_step_max") or 0.0, probe_kl)
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None

@@ -86,7 +86,10 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
     # each iteration's first mini-batch (pi_old just recomputed) is the one whose KL is skipped; the
     # calibrated preset's drift probe adds one observation after each iteration's steps
     assert (records[-1]["dpcc/fresh_kl_skipped"], records[-1]["dpcc/observations"]) == (2, 4)
-    assert records[-1]["kl_probe"] > 0 and records[-1]["kl_step_max"] >= records[-1]["kl_probe"]
+    # the probe reads the drift after the last step; kl_step_max (the detector's) keeps the steps' own KLs,
+    # so a DPCC run's KL rules see the same quantity as a baseline's
+    assert all(r["kl_probe"] > 0 for r in records)
+    assert all(r["kl_step_max"] != r["kl_probe"] for r in records)
 
 
 def test_resume_is_exact(tmp_path):
