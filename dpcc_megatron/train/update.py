@@ -117,11 +117,13 @@ def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConf
 
     for c in chunks:
         c.eval()
-    with torch.no_grad():
-        _, kl, _ = _policy_pass(chunks, controller, batch, cfg, forward_only=True, dp_size=dp_size,
-                                dp_group=dp_group, pp_group=pp_group, vocab_size=vocab_size)
-    for c in chunks:
-        c.train()
+    try:
+        with torch.no_grad():
+            _, kl, _ = _policy_pass(chunks, controller, batch, cfg, forward_only=True, dp_size=dp_size,
+                                    dp_group=dp_group, pp_group=pp_group, vocab_size=vocab_size)
+    finally:  # training mode back even if the pass raised (the caller may skip and go on)
+        for c in chunks:
+            c.train()
     controller.observe(kl, advance=False)
     return kl
 
