@@ -14,10 +14,12 @@ on the reward and entropy curves, never by hand), trimmed to the fields the dete
 written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
 ``dpcc-megatron monitor evaluate --labelled DIR``.
 
-The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 41-42 are the
-held-out part, every other seed is ``dev``. (The first held-out part, the even seeds 2-6, was read once
-with the first calibration; it then joined the dev part, and seeds 41-42 were added to every family,
-and trained, before the second calibration.)
+The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 43-44 are the
+held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
+- the even seeds 2-6 with the first calibration; seeds 41-42 were then added to every family;
+- seeds 41-42 with the second; then the trainer stopped folding DPCC's drift probe into
+  ``kl_step_max`` (DPCC streams were trained again), and seeds 43-44 were added to every family and
+  trained before the third calibration.
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ class Family:
 #: The stability grid whose testbed (model, task, warm-start) every stream uses.
 TESTBED = GRIDS["small"]
 #: Seeds of the held-out part (see the module docstring); each family runs them.
-HELDOUT_SEEDS = (41, 42)
+HELDOUT_SEEDS = (43, 44)
+#: Earlier held-out parts, read once each, now development seeds of every family.
+READ_SEEDS = (41, 42)
 
 
 def _steps(iterations: int) -> int:
@@ -74,36 +78,36 @@ def _steps(iterations: int) -> int:
 
 FAMILIES: tuple[Family, ...] = (
     # (In build order: what matters most first, for a build its budget stops early.)
-    Family("stab-safe", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
-    Family("stab-safe", "dpcc", SAFE_LR, (1, 2, 3, 4, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
+    Family("stab-safe", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *READ_SEEDS, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
+    Family("stab-safe", "dpcc", SAFE_LR, (1, 2, 3, 4, *READ_SEEDS, *HELDOUT_SEEDS), 20, "stability grid, safe LR"),
     # Runs that keep going for longer at 2.5x the safe LR (learning runs' entropy falls as the reward rises;
     # whether a run stays healthy is the labelling rule's verdict, not this list's).
-    Family("learn", "dpcc", 5e-4, (1, 2, *HELDOUT_SEEDS), 60, "DPCC at a moderate LR, 60 iterations"),
-    Family("learn", "grpo", 5e-4, (3, 4, 5, 6, *HELDOUT_SEEDS), 40, "GRPO at a moderate LR, 40 iterations"),
+    Family("learn", "dpcc", 5e-4, (1, 2, *READ_SEEDS, *HELDOUT_SEEDS), 60, "DPCC at a moderate LR, 60 iterations"),
+    Family("learn", "grpo", 5e-4, (3, 4, 5, 6, *READ_SEEDS, *HELDOUT_SEEDS), 40, "GRPO at a moderate LR, 40 iterations"),
     # The high-entropy direction. Very large LRs (below) end near-deterministic on this model; flat
     # logits need the weights to shrink: a decoupled weight decay set ~1000x too large (150 at the safe
     # LR: every weight loses 3% per step) flattens the policy step by step, so entropy climbs and the
     # answers turn random.
-    Family("decay", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 30, "weight decay 150 (a scale fault): entropy climbs",
+    Family("decay", "grpo", SAFE_LR, (1, 2, 3, 4, 5, 6, *READ_SEEDS, *HELDOUT_SEEDS), 30, "weight decay 150 (a scale fault): entropy climbs",
            {"optim.weight_decay": 150.0}),
     # A step size that climbs: a linear LR warm-up to 10x the aggressive LR over the whole run.
-    Family("ramp", "grpo", BROKEN_LR, (1, 2, 3, 4, 5, 6, *HELDOUT_SEEDS), 30, "LR climbing linearly to 10x the aggressive LR",
+    Family("ramp", "grpo", BROKEN_LR, (1, 2, 3, 4, 5, 6, *READ_SEEDS, *HELDOUT_SEEDS), 30, "LR climbing linearly to 10x the aggressive LR",
            {"optim.lr_warmup_iters": _steps(30)}),
-    Family("stab-aggr", "grpo", AGGRESSIVE_LR, (1, 2, 3, 4, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
-    Family("stab-aggr", "dpcc", AGGRESSIVE_LR, (1, 2, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
+    Family("stab-aggr", "grpo", AGGRESSIVE_LR, (1, 2, 3, 4, *READ_SEEDS, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
+    Family("stab-aggr", "dpcc", AGGRESSIVE_LR, (1, 2, *READ_SEEDS, *HELDOUT_SEEDS), 20, "stability grid, aggressive LR"),
     # Half the aggressive LR over a longer run: collapses that build up over iterations, if any.
-    Family("slow-aggr", "grpo", AGGRESSIVE_LR / 2, (1, 2, *HELDOUT_SEEDS), 40, "half the aggressive LR, 40 iterations"),
+    Family("slow-aggr", "grpo", AGGRESSIVE_LR / 2, (1, 2, *READ_SEEDS, *HELDOUT_SEEDS), 40, "half the aggressive LR, 40 iterations"),
     # The smoke test's broken LR (10x the aggressive one), constant.
-    Family("broken", "grpo", BROKEN_LR, (1, 2, *HELDOUT_SEEDS), 20, "10x the aggressive LR"),
+    Family("broken", "grpo", BROKEN_LR, (1, 2, *READ_SEEDS, *HELDOUT_SEEDS), 20, "10x the aggressive LR"),
     # Runs meant to master the task: twice the prompts per iteration (a less noisy gradient) at 2.5x the
     # safe LR for 100 iterations, so entropy can fall a long way while the reward rises.
-    Family("master", "grpo", 5e-4, (7, *HELDOUT_SEEDS), 100, "16 prompts per iteration at 2.5x the safe LR, 100 iterations",
+    Family("master", "grpo", 5e-4, (7, *READ_SEEDS, *HELDOUT_SEEDS), 100, "16 prompts per iteration at 2.5x the safe LR, 100 iterations",
            {"rollout.prompts_per_iteration": 16, "rollout.batch_size": 128, "train.mini_batch_size": 64}),
 )
 
 
 def split_of(seed: int) -> str:
-    """The split, fixed before tuning: seeds 41-42 are held out, all others develop the detector."""
+    """The split, fixed before tuning: seeds 43-44 are held out, all others develop the detector."""
     return "heldout" if seed in HELDOUT_SEEDS else "dev"
 
 

@@ -62,7 +62,8 @@ def test_entropy_clause_of_the_labelling_rule():
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
-    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42)] == ["dev"] * 4 + ["heldout"] * 2
+    # held-out parts already read (41-42) are development seeds now
+    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44)] == ["dev"] * 6 + ["heldout"] * 2
     # every family in both parts
     assert all(set(f.seeds) - set(HELDOUT_SEEDS) and set(f.seeds) >= set(HELDOUT_SEEDS) for f in FAMILIES)
     rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
@@ -95,13 +96,13 @@ def _fake_run(folder: Path, name: str, rewards, entropies):
 def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     stab = tmp_path / "small"
     _fake_run(stab, "grpo__lr0.002__s9", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.0002__s41", [0.3] * 20, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.0002__s43", [0.3] * 20, [0.8] * 20)
     (stab / "runs" / "not-a-run").mkdir()
     (stab / "manifest.json").write_text(json.dumps({"testbed": TESTBED.extra}))
-    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 41), ("grpo", 0.002, 9)]
+    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 43), ("grpo", 0.002, 9)]
     labels = write_set(tmp_path / "set", tmp_path / "out", families=(), stability=[stab])
     got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
-    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 41, "heldout", "healthy")}
+    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 43, "heldout", "healthy")}
     assert len(read_labels(tmp_path / "out")) == 2  # a valid labelled set
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
