@@ -159,6 +159,8 @@ def paired_rows(results: list[dict], methods: list[str], lrs: list[float], basel
             only_b = sum(b["collapsed"] and not a["collapsed"] for a, b in pairs)
             d_final = [a["reward_after"] - b["reward_after"] for a, b in pairs
                        if a["reward_after"] is not None and b["reward_after"] is not None]
+            d_pass1 = [a["pass1_after"] - b["pass1_after"] for a, b in pairs
+                       if a.get("pass1_after") is not None and b.get("pass1_after") is not None]
             wins = sum(d > 0 for d in d_final)
             losses = sum(d < 0 for d in d_final)
             both = [(a["iters_to_target"], b["iters_to_target"]) for a, b in pairs
@@ -171,7 +173,7 @@ def paired_rows(results: list[dict], methods: list[str], lrs: list[float], basel
             e_b, _, _ = mean_sd(b.get("effective_utilisation") for _, b in pairs)
             rows.append({"lr": lr, "method": m, "pairs": len(pairs), "only_m": only_m, "only_b": only_b,
                          "p_collapse": binom_two_sided(only_m, only_m + only_b),
-                         "d_final": d_final, "wins": wins, "losses": losses,
+                         "d_final": d_final, "d_pass1": d_pass1, "wins": wins, "losses": losses,
                          "p_final": binom_two_sided(wins, wins + losses),
                          "steps_ratio": [a / b for a, b in both], "both_reached": len(both), "reach": reach,
                          "util_ratio": u_m / u_b if u_b and math.isfinite(u_b) else float("nan"),
@@ -181,13 +183,14 @@ def paired_rows(results: list[dict], methods: list[str], lrs: list[float], basel
 
 def paired_table(rows: list[dict], baseline: str = "grpo") -> list[str]:
     lines = [f"| LR | method | paired seeds | collapsed only with method / only with {baseline} (exact p) |"
-             f" Δ final greedy reward vs {baseline} | wins/losses (sign p) | reached target (method, {baseline}) |"
+             f" Δ final greedy reward vs {baseline} | wins/losses (sign p) | Δ final sampled pass@1 vs {baseline} |"
+             f" reached target (method, {baseline}) |"
              f" steps ratio when both reached | token utilisation ratio | effective utilisation ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['lr']:g} | {r['method']} | {r['pairs']} | {r['only_m']} / {r['only_b']} ({r['p_collapse']:.2f}) | "
-            f"{fmt_ms(r['d_final'])} | {r['wins']}/{r['losses']} ({r['p_final']:.2f}) | "
+            f"{fmt_ms(r['d_final'])} | {r['wins']}/{r['losses']} ({r['p_final']:.2f}) | {fmt_ms(r['d_pass1'])} | "
             f"{r['reach'][0]}, {r['reach'][1]} | {fmt_ms(r['steps_ratio'], 2)} (n={r['both_reached']}) | "
             f"{r['util_ratio']:.2f}× | {r['eff_ratio']:.2f}× |")
     return lines
@@ -316,6 +319,13 @@ def targets_lines(results: list[dict], method: str, baseline: str = "grpo", marg
                f"{mean:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}, {nd} seeds): "
                f"{verdict(nd > 0 and mean >= -margin)}"
                + (" (the CI's lower bound is also above the margin)." if nd > 1 and lo >= -margin else "."))
+    d1 = [a["pass1_after"] - b["pass1_after"] for (m, lr, s), a in idx.items()
+          if m == method and lr == safe and (baseline, lr, s) in idx
+          for b in [idx[(baseline, lr, s)]] if a.get("pass1_after") is not None and b.get("pass1_after") is not None]
+    if d1:  # not a target: the same prompts, sampled instead of greedy
+        m1, lo1, hi1, n1 = mean_ci95(d1)
+        out.append(f"  - Not a target, for reading the one above: the final sampled pass@1 on the same held-out "
+                   f"prompts, paired difference {m1:+.3f} (95% CI {lo1:+.3f} to {hi1:+.3f}, {n1} seeds).")
     below = {x: sum(1 for r in results if r["method"] == x and r["reward_after"] is not None
                     and r.get("reward_before") is not None and r["reward_after"] < r["reward_before"])
              for x in (method, baseline)}

@@ -87,8 +87,11 @@ def collapse_verdict(records: list[dict], monitor_cfg, stop_reason: str = "") ->
     return verdict
 
 
-def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float, wall_s: float) -> dict:
-    """Everything the analysis needs from one run."""
+def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float, wall_s: float,
+                 evals: Optional[list[dict]] = None) -> dict:
+    """Everything the analysis needs from one run. ``evals`` are the trainer's held-out eval records
+    (``eval.jsonl``): the first is the warm-started policy's, the last the final one's."""
+    evals = [e for e in (evals or []) if isinstance(e.get("pass_at_1"), (int, float))]
     base = [r.get("reward_base_mean", float("nan")) for r in records]
     tail = base[-5:]
     # An iteration whose groups all have zero reward variance has no advantage tokens: utilisation is
@@ -105,6 +108,9 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
         "stop_reason": summary.get("stop_reason", ""),
         "reward_before": summary.get("reward_before"),
         "reward_after": summary.get("reward_after"),
+        # the same held-out prompts, sampled at the rollout temperature: the share of correct samples
+        "pass1_before": evals[0]["pass_at_1"] if evals else None,
+        "pass1_after": evals[-1]["pass_at_1"] if len(evals) > 1 else None,
         "reward_base_first": base[0] if base else None,
         "reward_base_last5": _mean(tail),
         "reward_base_curve": base,

@@ -105,8 +105,10 @@ def judge(result: dict, run_dir: Path, target: float, wall: float, tail: str = "
         return result
     summary = json.loads(summary_path.read_text())
     records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    evals_path = run_dir / "eval.jsonl"
+    evals = [json.loads(x) for x in evals_path.read_text().splitlines() if x.strip()] if evals_path.is_file() else []
     monitor_cfg = load_config(run_dir / "config.yaml").monitor
-    result.update(run_measures(records, summary, monitor_cfg, target, wall))
+    result.update(run_measures(records, summary, monitor_cfg, target, wall, evals=evals))
     return result
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stability.analyze import binom_two_sided, wilson
+from benchmarks.stability.analyze import binom_two_sided, paired_rows, targets_lines, wilson
 from benchmarks.stability.grid import AGGRESSIVE_LR, BROKEN_LR, GRIDS, early_phase_steps, run_key, run_overrides
-from benchmarks.stability.measures import collapse_verdict, iterations_to_target, judge_config
+from benchmarks.stability.measures import collapse_verdict, iterations_to_target, judge_config, run_measures
 from dpcc_megatron.config.monitor import MonitorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +93,25 @@ def test_paired_statistics_and_grid_overrides():
     assert run_overrides(grid, "dpcc-paper", 2e-3, 3)["loss.dpcc.preset"] == "paper"
     assert len({m for m, _, s in grid.runs() if s == 1}) == len(grid.methods)
     assert set(GRIDS["core"].methods) <= set(grid.methods) and not set(GRIDS["dev"].seeds) & set(grid.seeds)
+
+
+def test_sampled_pass_at_1_is_measured_and_compared_beside_the_greedy_reward():
+    evals = [{"iteration": 0, "kind": "eval", "pass_at_1": 0.2}, {"iteration": 20, "kind": "eval", "pass_at_1": 0.35}]
+    m = run_measures(_records([0.8] * 6), {"reward_before": 0.3, "reward_after": 0.4}, MonitorConfig(), 0.4, 1.0,
+                     evals=evals)
+    assert (m["pass1_before"], m["pass1_after"]) == (0.2, 0.35)
+    assert run_measures(_records([0.8] * 6), {}, MonitorConfig(), 0.4, 1.0)["pass1_after"] is None  # no eval.jsonl
+
+    def res(method, lr, seed, greedy, pass1):
+        return {"method": method, "lr": lr, "seed": seed, "collapsed": False, "reward_before": 0.3,
+                "reward_after": greedy, "pass1_after": pass1, "iters_to_target": None, "token_utilisation": 1.0}
+    results = [res("grpo", lr, s, 0.5, 0.30) for lr in (2e-4, 2e-3) for s in (1, 2, 3)]
+    results += [res("dpcc", lr, s, 0.4, 0.30 + 0.01 * s) for lr in (2e-4, 2e-3) for s in (1, 2, 3)]
+    row, = [r for r in paired_rows(results, ["grpo", "dpcc"], [2e-4]) if r["method"] == "dpcc"]
+    assert row["d_pass1"] == pytest.approx([0.01, 0.02, 0.03]) and row["d_final"] == pytest.approx([-0.1] * 3)
+    lines = "\n".join(targets_lines(results, "dpcc"))
+    assert "Final greedy reward at lr 0.0002" in lines and "-0.100" in lines and "**not met**" in lines
+    assert "sampled pass@1 on the same held-out prompts, paired difference +0.020" in lines
 
 
 def test_testbed_selects_task_difficulty_and_steps():
@@ -215,3 +234,4 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     assert broken["collapsed"], f"10x the aggressive LR was not flagged: {broken['reward_base_curve']}"
     assert broken["collapse_rule"] in {"reward_halved", "entropy_band", "non_finite"}
     assert broken["detector_confirmed"] is not None  # the monitor would have advised rollback
+    assert broken["pass1_before"] is not None and broken["pass1_after"] is not None  # from eval.jsonl
