@@ -174,11 +174,12 @@ def _evaluate(args) -> int:
     except LabelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{'stream':48s} {'label':9s} {'iters':>5s} {'confirmed@':>10s} {'half@':>6s} {'lead':>5s} "
+    width = max([48, *(len(r.name) for r in results)])  # whole names: the table is read back by name
+    print(f"{'stream':{width}s} {'label':9s} {'iters':>5s} {'confirmed@':>10s} {'half@':>6s} {'lead':>5s} "
           f"{'warn':>5s}  rules")
     for r in results:
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
-        print(f"{r.name[-48:]:48s} {r.label:9s} {r.iterations:5d} {fmt(r.first_confirmed):>10s} "
+        print(f"{r.name:{width}s} {r.label:9s} {r.iterations:5d} {fmt(r.first_confirmed):>10s} "
               f"{fmt(r.half_reward):>6s} {fmt(r.lead):>5s} {r.warnings:5d}  {','.join(r.rules)}")
     print(json.dumps(scores))
     return 0

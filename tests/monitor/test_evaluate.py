@@ -87,10 +87,12 @@ def test_bad_labels_name_the_file_and_line(tmp_path):
 
 
 def test_cli_prints_the_table_and_one_json_line(tmp_path):
-    folder = _write(tmp_path, {"c1": (_entropy_collapse(), "collapse", "heldout"), "h1": (_healthy(), "healthy", "heldout")})
+    long = "stab-grid__dpcc-paper__lr0.0002__s10_and_a_name_longer_than_the_column"
+    folder = _write(tmp_path, {"c1": (_entropy_collapse(), "collapse", "heldout"), long: (_healthy(), "healthy", "heldout")})
     out = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled", str(folder)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert any(line.split()[0].endswith(long + ".jsonl") for line in out.stdout.splitlines()[1:-1])  # whole names
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"recall", "healthy_critical", "warnings_per_100_healthy", "median_lead_iterations"} <= set(last)
     bad = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled",
