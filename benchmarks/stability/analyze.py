@@ -411,6 +411,15 @@ def budget_lines(manifest: dict, results: list[dict], full_runs: int) -> list[st
     return out
 
 
+def _testbed_title(manifest: dict) -> str:
+    """The task and its difficulty, from the manifest's testbed ('sorting, 3', 'addition, 1')."""
+    from .grid import TASKS
+
+    bed = manifest.get("testbed") or {}
+    task = bed.get("data.synthetic_task", "addition")
+    return f"{task}, difficulty {bed.get('data.synthetic_digits', TASKS.get(task, {}).get('digits', '?'))}"
+
+
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
                  export: bool = False) -> Path:
     from .grid import GRIDS, IMPROVED_VARIANT, METHODS, PAPER_VARIANT
@@ -433,7 +442,8 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
               else f"{len(results)} runs.")
     target = results[0].get("target_reward")
     lines = [
-        "# Stability benchmark: DPCC vs GRPO, DAPO, GSPO, CISPO (miniature, CPU)", "",
+        f"# Stability benchmark: {', '.join(methods)} (miniature, CPU{', ' + _testbed_title(manifest) if manifest else ''})",
+        "",
         status + f" Methods: {', '.join(methods)}. Learning rates: {', '.join(f'{x:g}' for x in lrs)}. "
         f"Seeds: {', '.join(map(str, seeds))} (paired: every method sees the same seeds)."
         + (f" {len(failed)} runs failed and are excluded: "

@@ -224,6 +224,7 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     text = md.read_text()
     for method, lr in (("grpo", AGGRESSIVE_LR), ("dpcc", AGGRESSIVE_LR), ("grpo", BROKEN_LR)):
         assert f"| {lr:g} | {method} | 1 |" in text, text
+    assert text.splitlines()[0] == "# Stability benchmark: grpo, dpcc (miniature, CPU, addition, difficulty 1)"
     assert "Paired comparison with GRPO" in text and f"| {AGGRESSIVE_LR:g} | dpcc | 1 |" in text
     for png in ("collapse_rate.png", "curves.png"):
         assert (md.parent / png).stat().st_size > 1000
