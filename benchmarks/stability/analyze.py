@@ -311,17 +311,17 @@ def targets_lines(results: list[dict], method: str, baseline: str = "grpo", marg
     out = [f"- Collapse at lr {', '.join(f'{x:g}' for x in higher)} (target: ≤ ¼ of {baseline}'s, exact paired "
            f"p < 0.05): `{method}` {k_m}/{n}, {baseline} {k_b}/{n}; discordant pairs {only_m} vs {only_b}, "
            f"p = {p:.3g}: {verdict(ok)}."]
-    d = [a["reward_after"] - b["reward_after"] for (m, lr, s), a in idx.items()
-         if m == method and lr == safe and (baseline, lr, s) in idx
-         for b in [idx[(baseline, lr, s)]] if a["reward_after"] is not None and b["reward_after"] is not None]
+    def safe_diffs(key: str) -> list[float]:  # paired method - baseline differences of ``key`` at the safe LR
+        return [a[key] - b[key] for (m, lr, s), a in idx.items() if m == method and lr == safe and (baseline, lr, s) in idx
+                for b in [idx[(baseline, lr, s)]] if a.get(key) is not None and b.get(key) is not None]
+
+    d = safe_diffs("reward_after")
     mean, lo, hi, nd = mean_ci95(d)
     out.append(f"- Final greedy reward at lr {safe:g} (target: paired mean difference ≥ −{margin}): "
                f"{mean:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}, {nd} seeds): "
                f"{verdict(nd > 0 and mean >= -margin)}"
                + (" (the CI's lower bound is also above the margin)." if nd > 1 and lo >= -margin else "."))
-    d1 = [a["pass1_after"] - b["pass1_after"] for (m, lr, s), a in idx.items()
-          if m == method and lr == safe and (baseline, lr, s) in idx
-          for b in [idx[(baseline, lr, s)]] if a.get("pass1_after") is not None and b.get("pass1_after") is not None]
+    d1 = safe_diffs("pass1_after")
     if d1:  # not a target: the same prompts, sampled instead of greedy
         m1, lo1, hi1, n1 = mean_ci95(d1)
         out.append(f"  - Not a target, for reading the one above: the final sampled pass@1 on the same held-out "
