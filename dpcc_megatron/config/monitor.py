@@ -116,14 +116,14 @@ class MonitorConfig:
     """kl_drift fires when kl_old_new exceeds this..."""
     kl_window: int = 3
     """...for this many consecutive batches."""
-    kl_critical_threshold: Optional[float] = 2.0
+    kl_critical_threshold: Optional[float] = 0.5
     """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
     `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
     kl_sustained_threshold: Optional[float] = 0.1
     """kl_drift is also critical when the per-step KL (`kl_step_max`, when sent) stays above this for
     `kl_sustained_window` consecutive iterations: a step size that drifts (an LR climbing, a schedule
     gone wrong) before the reward falls. None disables."""
-    kl_sustained_window: int = 2
+    kl_sustained_window: int = 3
     """Consecutive iterations the per-step KL must stay above `kl_sustained_threshold`."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""

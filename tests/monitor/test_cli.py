@@ -56,11 +56,10 @@ def test_replay_prints_alerts_and_final_json(tmp_path):
     # overrides change thresholds: a KL window of 4 never fills
     out = cli("replay", "--input", str(stream), "--config", str(plain), "-o", "monitor.kl_window=4")
     assert "kl_drift" not in out.stdout.strip().splitlines()[-1]
-    # the shipped defaults: 0.9 at iterations 1 and 2 stays over kl_sustained_threshold (0.1) for
-    # kl_sustained_window (2) iterations, a drifting step size
+    # the shipped defaults: 0.9 from iteration 1 is over kl_critical_threshold (0.5), a runaway at once
     out = cli("replay", "--input", str(stream))
     alerts = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
-    assert {"rule": "kl_drift", "iteration": 2, "severity": "critical"} in alerts
+    assert {"rule": "kl_drift", "iteration": 1, "severity": "critical"} in alerts
 
 
 def test_replay_names_the_malformed_line(tmp_path):

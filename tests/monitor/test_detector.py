@@ -156,8 +156,8 @@ def test_kl_interrupted_run_does_not_fire():
     cfg = MonitorConfig(**KL_WARNING_ONLY)
     assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]), cfg) == []
     assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9]), cfg) == []  # 0.8 is not above 0.8
-    # with the calibrated defaults two iterations over kl_sustained_threshold (0.1) are a drifting step size
-    assert rules(run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))) == [("kl_drift", 1)]
+    # with the calibrated defaults each 0.9 is a runaway (over kl_critical_threshold 0.5)
+    assert rules(run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))) == [("kl_drift", 0)]
 
 
 def test_kl_threshold_and_window_are_configurable():
