@@ -14,7 +14,7 @@ from .kl import KL_ESTIMATORS, kl_terms, kl_token_mean, ref_kl_penalty
 from .metrics import METRIC_REDUCTIONS, combine_metrics
 from .registry import (PolicyLoss, TokenInputs, TokenTerms, get_policy_loss, global_counts_needed,
                        list_policy_losses, register_policy_loss)
-from .schedule import adaptive_threshold, drift_lr_factor, early_phase_cap
+from .schedule import adaptive_threshold, drift_lr_factor, early_phase_cap, kl_target_scale
 from .utilisation import sample_utilisation, token_gradients
 
 # Importing the modules registers the built-in losses.
@@ -25,7 +25,7 @@ from . import cov_losses as _cov_losses  # noqa: F401,E402
 __all__ = [
     "ADVANTAGE_MODES", "AGGREGATIONS", "DPCCController", "KL_ESTIMATORS", "LossNormalizer", "METRIC_REDUCTIONS",
     "PolicyLoss", "TokenInputs", "TokenTerms", "adaptive_threshold", "aggregate", "combine_metrics",
-    "drift_lr_factor", "early_phase_cap", "get_policy_loss", "global_counts_needed", "group_advantages",
+    "drift_lr_factor", "early_phase_cap", "kl_target_scale", "get_policy_loss", "global_counts_needed", "group_advantages",
     "kl_terms", "kl_token_mean", "list_policy_losses", "ref_kl_penalty", "register_policy_loss",
     "sample_utilisation", "token_gradients",
 ]

@@ -9,7 +9,9 @@ Protocol, once per optimizer step:
         ... forward/backward/optimizer step with loss_cfg and lr ...
         ctl.observe(kl)   # KL(pi_old || pi_new) measured on the batch just used, after the step
 
-``observe`` advances the step and fixes tau and the LR factor of the NEXT step.
+``observe`` advances the step and fixes tau and the LR factor of the NEXT step. The drift probe's
+reading after an iteration's steps is passed with ``probe=True``: with ``drift_lr_rule: kl_target``
+it is the one reading that moves the latched LR scale.
 
 A trainer that can skip a step (non-finite gradients, fp16 overflow) measures first and
 advances only when the optimizer actually applied the step, like Megatron's LR scheduler,
@@ -27,9 +29,11 @@ from typing import Any, Optional
 
 from dpcc_megatron.config.algo import DPCCConfig, LossConfig
 
-from .schedule import adaptive_threshold, drift_lr_factor, early_lr_warmup_factor, early_phase_cap
+from .schedule import adaptive_threshold, drift_lr_factor, early_lr_warmup_factor, early_phase_cap, kl_target_scale
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+#: Versions ``load_state_dict`` reads: 1 predates the KL-target LR scale (read as 1.0, its start).
+_READABLE_VERSIONS = (1, 2)
 _COUNTERS = ("observations", "nonfinite_kl", "fresh_kl_skipped", "drift_triggers", "lr_reduced_steps",
              "tau_floor_steps")
 
@@ -52,6 +56,8 @@ class DPCCController:
         self.drift: Optional[float] = None
         self._lr_factor = 1.0
         self._hold = 0
+        self.lr_scale = 1.0
+        """The KL-target rule's latched LR scale (``drift_lr_rule: kl_target``); 1 otherwise."""
         self.counters = {name: 0 for name in _COUNTERS}
 
     # -- decisions for the next step ------------------------------------------------
@@ -85,23 +91,32 @@ class DPCCController:
         return early_lr_warmup_factor(self.step, self.total_steps, c.early_phase_fraction)
 
     @property
+    def drift_factor(self) -> float:
+        """The drift-aware part of the next step's LR multiplier: the step rule's factor or the
+        KL-target rule's latched scale; 1 when drift-aware LR is off."""
+        if not self.config.drift_lr:
+            return 1.0
+        return self.lr_scale if self.config.drift_lr_rule == "kl_target" else self._lr_factor
+
+    @property
     def lr_factor(self) -> float:
-        """Multiplier of the next step's scheduled LR: the drift-aware factor (1 when drift-aware LR
-        is off) times the early-phase warm-up factor."""
-        return (self._lr_factor if self.config.drift_lr else 1.0) * self.warmup_factor
+        """Multiplier of the next step's scheduled LR: the drift-aware factor times the early-phase
+        warm-up factor."""
+        return self.drift_factor * self.warmup_factor
 
     def loss_config(self, base: LossConfig) -> LossConfig:
         """Copy of ``base`` whose ``dpcc.tau`` is the current tau_t."""
         return dataclasses.replace(base, dpcc=dataclasses.replace(base.dpcc, tau=self.tau))
 
     # -- update ---------------------------------------------------------------------
-    def observe(self, kl: float, fresh: bool = False, *, advance: bool = True) -> None:
+    def observe(self, kl: float, fresh: bool = False, *, probe: bool = False, advance: bool = True) -> None:
         """Record a KL(pi_old || pi_new) measurement; with ``advance`` also move to the next step.
 
         A non-finite ``kl`` (pass NaN when the measurement is unusable, e.g. non-finite
         logits) is counted and otherwise ignored: the KL average, drift score and LR factor
         keep their previous values. So is a ``fresh`` one (measured right after pi_old was
-        recomputed) when ``skip_fresh_kl`` is on.
+        recomputed) when ``skip_fresh_kl`` is on. ``probe``: the drift probe's reading of the
+        whole iteration's drift, which alone moves the KL-target rule's scale.
         """
         c = self.config
         kl = float(kl)
@@ -110,25 +125,31 @@ class DPCCController:
         elif fresh and c.skip_fresh_kl:
             self.counters["fresh_kl_skipped"] += 1  # D, drift and factor carry over unchanged
         else:
-            self._update(kl)
+            self._update(kl, probe)
         if advance:
             self.advance()
 
     def advance(self) -> None:
         """One optimizer step was applied (at the current ``lr_factor`` and ``tau``)."""
         self.step += 1
-        if self.config.drift_lr and self._lr_factor < 1.0:  # drift cuts only, not the warm-up
+        if self.drift_factor < 1.0:  # drift cuts only, not the warm-up
             self.counters["lr_reduced_steps"] += 1
         if self.tau_adaptive <= self.config.tau_min:
             self.counters["tau_floor_steps"] += 1
 
-    def _update(self, kl: float) -> None:
-        """Fold one finite KL observation into D, the drift score and the LR factor."""
+    def _update(self, kl: float, probe: bool) -> None:
+        """Fold one finite KL observation into D, the drift score and the LR factor or scale."""
         c = self.config
         self.counters["observations"] += 1
         self.last_kl = kl
         self.kl_ema = kl if self.kl_ema is None else c.kl_ema_decay * self.kl_ema + (1.0 - c.kl_ema_decay) * kl
         self.drift = kl if c.drift_score == "kl" else self.kl_ema
+        if c.drift_lr_rule == "kl_target":  # only the probe reads an iteration's drift in its units
+            if probe:
+                self.counters["drift_triggers"] += int(kl > c.drift_threshold)
+                self.lr_scale = kl_target_scale(self.lr_scale, kl, c.drift_threshold, c.kl_target_gain,
+                                                c.lr_scale_min)
+            return
         if self.drift > c.drift_threshold:
             self.counters["drift_triggers"] += 1
             self._lr_factor = drift_lr_factor(self.drift, c.drift_threshold)
@@ -150,6 +171,7 @@ class DPCCController:
             "dpcc/kl": self.last_kl if self.last_kl is not None else nan,
             "dpcc/drift": self.drift if self.drift is not None else nan,
             "dpcc/lr_factor": self.lr_factor,
+            "dpcc/lr_scale": self.lr_scale,
             "dpcc/warmup_factor": self.warmup_factor,
             "dpcc/step": float(self.step),
         }
@@ -166,13 +188,15 @@ class DPCCController:
             "drift": self.drift,
             "lr_factor": self._lr_factor,
             "hold": self._hold,
+            "lr_scale": self.lr_scale,
             "counters": dict(self.counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output (the config and total_steps come from the constructor)."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"DPCCController state version {state.get('version')!r} is not {_STATE_VERSION}")
+        if state.get("version") not in _READABLE_VERSIONS:
+            raise ValueError(f"DPCCController state version {state.get('version')!r} is not one of "
+                             f"{list(_READABLE_VERSIONS)}")
         missing = {"step", "kl_ema", "last_kl", "drift", "lr_factor", "hold", "counters"} - set(state)
         if missing:
             raise ValueError(f"DPCCController state lacks {sorted(missing)}")
@@ -182,4 +206,5 @@ class DPCCController:
         self.drift = None if state["drift"] is None else float(state["drift"])
         self._lr_factor = float(state["lr_factor"])
         self._hold = int(state["hold"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
         self.counters = {name: int(state["counters"].get(name, 0)) for name in _COUNTERS}

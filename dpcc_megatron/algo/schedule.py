@@ -58,3 +58,32 @@ def drift_lr_factor(drift: float, threshold: float) -> float:
     if drift > threshold:
         return min(1.0, 0.5 / (drift - threshold + 1.0))
     return 1.0
+
+
+#: Largest change of the KL-target LR scale per drift reading (a factor of 2 either way), so one
+#: outlying reading cannot throw the scale far.
+KL_TARGET_MAX_STEP = 2.0
+
+
+def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_min: float) -> float:
+    """The KL-target rule's next LR scale after one drift reading ``kl`` (nats per token).
+
+    log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), the per-reading change
+    limited to a factor of ``KL_TARGET_MAX_STEP``. The scale latches: it falls while the drift is
+    above ``target`` and recovers toward 1 while it is below, instead of resetting every step. With
+    Adam the drift grows about as the square of the step size, so gain 0.5 corrects a reading in one go.
+    A reading of 0 (or below: a k1 estimate) counts as far below the target."""
+    if not (0 < scale_min <= scale <= 1):
+        raise ValueError(f"scale must be in [scale_min={scale_min}, 1] with scale_min > 0, got {scale}")
+    if target <= 0 or gain < 0:
+        raise ValueError(f"target must be > 0 and gain >= 0, got target={target}, gain={gain}")
+    if math.isnan(kl):
+        raise ValueError("kl must not be NaN")
+    limit = math.log(KL_TARGET_MAX_STEP)
+    if kl <= 0:
+        change = limit
+    elif math.isinf(kl):
+        change = -limit
+    else:
+        change = min(max(-gain * math.log(kl / target), -limit), limit)
+    return min(1.0, max(scale_min, scale * math.exp(change)))

@@ -31,14 +31,16 @@ KLEstimator = Literal["k1", "k2", "k3"]
 #: (docs/algorithm.md, "Presets"; benchmarks/stability/RESULTS.md).
 DPCC_PRESETS: dict[str, dict] = {
     "paper": {"tau0": 2.0, "alpha": 5.0, "tau_min": 1.1, "early_tau": 1.2, "drift_score": "kl",
-              "skip_fresh_kl": False, "truncation": "clip", "early_lr_warmup": False, "drift_probe": False},
+              "skip_fresh_kl": False, "truncation": "clip", "early_lr_warmup": False, "drift_probe": False,
+              "drift_lr_rule": "step"},
     # tau0 = 1.28 is DAPO's clip-higher bound. alpha = 18 puts tau_t at tau_min once the smoothed KL
     # reaches the KL target 0.01 nats/token of the drift probe's KL(pi_old || pi_new) per token, k3
     # (1 - 18 * 0.01 = 0.82 = 1.05 / 1.28). Chosen on the development seeds from targets 0.01, 0.02,
     # 0.05 and 0.1 (benchmarks/stability/kl-target-calibration.md); the earlier 0.005 (alpha 36) was
     # stated in per-step units and kept tau at tau_min at the safe LR.
     "calibrated": {"tau0": 1.28, "alpha": 18.0, "tau_min": 1.05, "early_tau": 1.1, "drift_score": "kl_ema",
-                   "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": True, "drift_probe": True},
+                   "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": True, "drift_probe": True,
+                   "drift_lr_rule": "step"},
 }
 
 
@@ -90,7 +92,18 @@ class DPCCConfig:
     drift_lr: bool = True
     """Scale the next step's LR by min(1, 0.5 / (d - theta + 1)) when the drift score d exceeds theta."""
     drift_threshold: float = 0.02
-    """theta, in the units of the drift score (KL nats per token)."""
+    """theta, in the units of the drift score (KL nats per token); with `drift_lr_rule: kl_target` the KL
+    target of the drift probe's reading."""
+    drift_lr_rule: Optional[Literal["step", "kl_target"]] = None
+    """How the drift sets the LR. `step` (paper): min(1, 0.5 / (d - theta + 1)) for the next step only, back to
+    1 as soon as d <= theta. `kl_target`: a scale s that latches and recovers, updated by each drift-probe
+    reading d: log s <- clamp(log s - kl_target_gain * log(d / theta), log lr_scale_min, 0), at most a
+    factor of 2 per reading; it acts on every step, the iteration's first included (needs drift_probe)."""
+    kl_target_gain: float = 0.5
+    """`kl_target`: gain of the rule in log space; 0.5 corrects a reading in one go when the drift grows
+    as the square of the step size (Adam)."""
+    lr_scale_min: float = 0.05
+    """`kl_target`: the smallest LR scale the rule may reach."""
     drift_score: Optional[Literal["kl", "kl_ema"]] = None
     """d: `kl` is the KL measured after the step just taken (reacts at once, paper); `kl_ema` is the smoothed
     D, which latches and recovers across iterations (calibrated)."""
@@ -135,6 +148,12 @@ class DPCCConfig:
         check(self.decay_power > 0, "decay_power", f"must be > 0, got {self.decay_power}")
         check(self.drift_hysteresis_steps >= 0, "drift_hysteresis_steps",
               f"must be >= 0, got {self.drift_hysteresis_steps}")
+        check(self.drift_lr_rule != "kl_target" or self.drift_threshold > 0, "drift_threshold",
+              f"is the KL target of drift_lr_rule: kl_target and must be > 0, got {self.drift_threshold}")
+        check(self.drift_lr_rule != "kl_target" or self.drift_probe or not self.drift_lr, "drift_lr_rule",
+              "kl_target reads the drift probe's KL: set drift_probe: true (or drift_lr: false)")
+        check(self.kl_target_gain > 0, "kl_target_gain", f"must be > 0, got {self.kl_target_gain}")
+        check(0 < self.lr_scale_min <= 1, "lr_scale_min", f"must be in (0, 1], got {self.lr_scale_min}")
 
 
 @dataclass

@@ -124,7 +124,7 @@ def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConf
     finally:  # training mode back even if the pass raised (the caller may skip and go on)
         for c in chunks:
             c.train()
-    controller.observe(kl, advance=False)
+    controller.observe(kl, probe=True, advance=False)
     return kl
 
 

@@ -41,6 +41,7 @@ def test_paper_preset_is_the_literal_specification():
     cfg = from_dict(LossConfig, {"dpcc": {"preset": "paper"}}).dpcc
     assert (cfg.tau0, cfg.alpha, cfg.tau_min, cfg.early_tau, cfg.drift_score) == (2.0, 5.0, 1.1, 1.2, "kl")
     assert (cfg.truncation, cfg.skip_fresh_kl, cfg.early_lr_warmup, cfg.drift_probe) == ("clip", False, False, False)
+    assert cfg.drift_lr_rule == "step"  # the document's min(1, 0.5 / (d - theta + 1)), one step at a time
 
 
 @pytest.mark.parametrize("data,message", [
@@ -54,6 +55,11 @@ def test_paper_preset_is_the_literal_specification():
     ({"loss": {"dpcc": {"preset": "ppo"}}}, "loss.dpcc.preset must be one of"),
     ({"loss": {"dpcc": {"truncation": "drop"}}}, "loss.dpcc.truncation must be one of"),
     ({"loss": {"dpcc": {"decay_power": 0}}}, "loss.dpcc.decay_power must be > 0, got 0"),
+    ({"loss": {"dpcc": {"drift_lr_rule": "kl_target", "drift_probe": False}}},
+     "loss.dpcc.drift_lr_rule kl_target reads the drift probe's KL"),
+    ({"loss": {"dpcc": {"drift_lr_rule": "pid"}}}, "loss.dpcc.drift_lr_rule must be one of"),
+    ({"loss": {"dpcc": {"lr_scale_min": 0}}}, "loss.dpcc.lr_scale_min must be in (0, 1], got 0"),
+    ({"loss": {"dpcc": {"kl_target_gain": -1}}}, "loss.dpcc.kl_target_gain must be > 0, got -1"),
     ({"loss": {"name": "ppo"}}, "loss.name must be one of"),
     ({"loss": {"dual_clip_c": 0.5}}, "loss.dual_clip_c must be > 1 or null, got 0.5"),
     ({"loss": {"clip_eps": 1.5}}, "loss.clip_eps must be in (0, 1), got 1.5"),

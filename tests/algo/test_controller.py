@@ -258,3 +258,84 @@ def test_calibrated_alpha_moves_tau_at_the_kl_target():
     assert p["tau_min"] < adaptive_threshold(p["tau0"], p["alpha"], 0.004, p["tau_min"]) < 0.95 * p["tau0"]
     q = DPCC_PRESETS["paper"]
     assert adaptive_threshold(q["tau0"], q["alpha"], 0.001, q["tau_min"]) > 0.99 * q["tau0"]  # the paper's barely moves
+
+
+@pytest.mark.parametrize("scale,kl,expected", [
+    (1.0, 0.08, 0.5),                  # 4x the target 0.02: gain 0.5 halves the scale (one-shot correction)
+    (1.0, 0.02, 1.0),                  # at the target: unchanged
+    (0.5, 0.005, 1.0),                 # a quarter of the target: doubled, never above 1
+    (0.25, 0.005, 0.5),
+    (1.0, 2.0, 0.5),                   # 100x the target: limited to a factor of 2 per reading
+    (0.06, 2.0, 0.05),                 # never below scale_min
+    (0.25, 0.0, 0.5),                  # no drift: the largest recovery step
+    (0.25, -0.01, 0.5),                # a negative k1 estimate reads as no drift
+    (0.5, math.inf, 0.25),
+])
+def test_kl_target_scale_exact(scale, kl, expected):
+    from dpcc_megatron.algo import kl_target_scale
+
+    assert kl_target_scale(scale, kl, 0.02, 0.5, 0.05) == pytest.approx(expected, abs=1e-12)
+
+
+def test_kl_target_scale_refuses_bad_arguments():
+    from dpcc_megatron.algo import kl_target_scale
+
+    with pytest.raises(ValueError, match="NaN"):
+        kl_target_scale(1.0, math.nan, 0.02, 0.5, 0.05)
+    with pytest.raises(ValueError, match="scale"):
+        kl_target_scale(0.01, 0.02, 0.02, 0.5, 0.05)
+    with pytest.raises(ValueError, match="target"):
+        kl_target_scale(1.0, 0.02, 0.0, 0.5, 0.05)
+
+
+def _kl_target_cfg(**kw):
+    return _cfg(drift_lr_rule="kl_target", drift_probe=True, drift_threshold=0.02, early_phase_fraction=0.0,
+                early_relax_fraction=0.0, skip_fresh_kl=True, **kw)
+
+
+def test_kl_target_rule_latches_on_probe_readings_and_recovers():
+    ctl = DPCCController(_kl_target_cfg())
+    # an iteration of two steps: the fresh reading is skipped, the in-step one moves D (tau) but not the scale
+    ctl.observe(0.0, fresh=True)
+    ctl.observe(0.5)
+    assert ctl.lr_factor == 1.0 and ctl.kl_ema == pytest.approx(0.5)
+    ctl.observe(0.08, probe=True, advance=False)  # the probe: 4x the target halves the scale
+    assert ctl.lr_scale == pytest.approx(0.5) and ctl.lr_factor == pytest.approx(0.5)
+    # the scale carries over the iteration boundary and acts on the next iteration's first step too
+    ctl.observe(0.0, fresh=True)
+    assert ctl.lr_factor == pytest.approx(0.5)
+    ctl.observe(0.0)
+    assert ctl.lr_factor == pytest.approx(0.5)  # an in-step zero does not reset it (the step rule would)
+    ctl.observe(0.02, probe=True, advance=False)  # at the target: held
+    assert ctl.lr_scale == pytest.approx(0.5)
+    ctl.observe(0.005, probe=True, advance=False)  # below it: recovers, never above 1
+    ctl.observe(0.005, probe=True, advance=False)
+    assert ctl.lr_scale == 1.0
+    assert ctl.counters["drift_triggers"] == 1  # one probe reading above the target
+    assert ctl.counters["lr_reduced_steps"] == 2  # the two steps taken at scale 0.5
+    assert ctl.metrics()["dpcc/lr_scale"] == 1.0
+
+
+def test_kl_target_scale_multiplies_the_warmup_and_survives_a_checkpoint():
+    cfg = _cfg(drift_lr_rule="kl_target", drift_probe=True, drift_threshold=0.02, early_lr_warmup=True,
+               skip_fresh_kl=True)  # 20 steps, early phase 4 steps
+    a = DPCCController(cfg)
+    a.observe(0.0, fresh=True)
+    a.observe(0.32, probe=True, advance=False)  # 16x the target: the scale falls by 4 -> limited to 2
+    assert a.lr_factor == pytest.approx(0.5 * 0.5)  # scale x warm-up (2/4)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = DPCCController(cfg)
+    b.load_state_dict(state)
+    assert (b.lr_scale, b.lr_factor) == (a.lr_scale, a.lr_factor)
+    # a checkpoint written before the scale existed (version 1) resumes at scale 1
+    old = {k: v for k, v in state.items() if k != "lr_scale"}
+    old["version"] = 1
+    c = DPCCController(cfg)
+    c.load_state_dict(old)
+    assert c.lr_scale == 1.0 and c.step == a.step
+
+
+def test_kl_target_rule_is_off_with_drift_lr_off():
+    off = DPCCController(_kl_target_cfg(drift_lr=False))
+    off.observe(1.0, probe=True)
+    assert off.lr_factor == 1.0 and off.counters["lr_reduced_steps"] == 0
