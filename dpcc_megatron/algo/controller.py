@@ -56,7 +56,7 @@ class DPCCController:
         self.drift: Optional[float] = None
         self._lr_factor = 1.0
         self._hold = 0
-        self.lr_scale = 1.0
+        self.lr_scale = config.lr_scale_init if config.drift_lr_rule == "kl_target" else 1.0
         """The KL-target rule's latched LR scale (``drift_lr_rule: kl_target``); 1 otherwise."""
         self.counters = {name: 0 for name in _COUNTERS}
 

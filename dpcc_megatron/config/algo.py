@@ -104,6 +104,9 @@ class DPCCConfig:
     as the square of the step size (Adam)."""
     lr_scale_min: float = 0.05
     """`kl_target`: the smallest LR scale the rule may reach."""
+    lr_scale_init: float = 1.0
+    """`kl_target`: the scale the run starts at, in [lr_scale_min, 1]. Below 1 it is a warm-up that lasts
+    only as long as the drift says: the rule raises it (at most 2x per reading) while the drift is low."""
     drift_score: Optional[Literal["kl", "kl_ema"]] = None
     """d: `kl` is the KL measured after the step just taken (reacts at once, paper); `kl_ema` is the smoothed
     D, which latches and recovers across iterations (calibrated)."""
@@ -154,6 +157,14 @@ class DPCCConfig:
               "kl_target reads the drift probe's KL: set drift_probe: true (or drift_lr: false)")
         check(self.kl_target_gain > 0, "kl_target_gain", f"must be > 0, got {self.kl_target_gain}")
         check(0 < self.lr_scale_min <= 1, "lr_scale_min", f"must be in (0, 1], got {self.lr_scale_min}")
+        check(self.lr_scale_min <= self.lr_scale_init <= 1, "lr_scale_init",
+              f"must be in [lr_scale_min={self.lr_scale_min}, 1], got {self.lr_scale_init}")
+        if self.drift_lr_rule != "kl_target":  # the rule's own keys would be accepted and ignored
+            for name in ("kl_target_gain", "lr_scale_min", "lr_scale_init"):
+                default = DPCCConfig.__dataclass_fields__[name].default
+                check(getattr(self, name) == default, name,
+                      f"is read only by drift_lr_rule: kl_target (the rule is {self.drift_lr_rule!r}); "
+                      f"got {getattr(self, name)}, leave it at {default}")
 
 
 @dataclass

@@ -339,3 +339,12 @@ def test_kl_target_rule_is_off_with_drift_lr_off():
     off = DPCCController(_kl_target_cfg(drift_lr=False))
     off.observe(1.0, probe=True)
     assert off.lr_factor == 1.0 and off.counters["lr_reduced_steps"] == 0
+
+
+def test_kl_target_scale_can_start_low_and_rises_while_the_drift_is_low():
+    ctl = DPCCController(_kl_target_cfg(lr_scale_init=0.25))
+    assert ctl.lr_factor == 0.25
+    ctl.observe(0.001, probe=True, advance=False)  # far below the target: at most 2x per reading
+    assert ctl.lr_scale == pytest.approx(0.5)
+    ctl.observe(0.32, probe=True, advance=False)  # far above it: at most 2x down
+    assert ctl.lr_scale == pytest.approx(0.25)
