@@ -84,10 +84,16 @@ METHODS: dict[str, dict] = {
     "dpcc": {"loss.name": "dpcc"},
     # DPCC as literally specified, kept reproducible.
     "dpcc-paper": {"loss.name": "dpcc", "loss.dpcc.preset": "paper", "reward.contrastive_gate": "none"},
-    # Ablations of the default: each removes one piece of the calibrated preset.
+    # The stricter KL-target variant of benchmarks/stability/kl-target-rule.md (round 2's most stable
+    # candidate, not the default): KL target 0.01, the scale starting at 0.25.
+    "dpcc-kt-strict": {"loss.name": "dpcc", "loss.dpcc.drift_threshold": 0.01, "loss.dpcc.lr_scale_init": 0.25},
+    # The calibrated default as it was until 2026-12-04: the step rule with the early LR warm-up.
+    "dpcc-step-rule": {"loss.name": "dpcc", "loss.dpcc.drift_lr_rule": "step", "loss.dpcc.early_lr_warmup": True},
+    # Ablations of the default: each removes one piece of the calibrated preset (or adds one back).
     "dpcc-no-decay": {"loss.name": "dpcc", "loss.dpcc.truncation": "clip"},
-    "dpcc-no-probe": {"loss.name": "dpcc", "loss.dpcc.drift_probe": False},
-    "dpcc-no-warmup": {"loss.name": "dpcc", "loss.dpcc.early_lr_warmup": False},
+    # Without the probe the KL-target rule has no reading, so the LR follows the step rule on in-step KLs.
+    "dpcc-no-probe": {"loss.name": "dpcc", "loss.dpcc.drift_probe": False, "loss.dpcc.drift_lr_rule": "step"},
+    "dpcc-warmup": {"loss.name": "dpcc", "loss.dpcc.early_lr_warmup": True},
     "dpcc-no-gate": {"loss.name": "dpcc", "reward.contrastive_gate": "none"},
     "dpcc-no-adaptive-tau": {"loss.name": "dpcc", "loss.dpcc.alpha": 0.0},
     "dpcc-no-drift-lr": {"loss.name": "dpcc", "loss.dpcc.drift_lr": False},

@@ -37,10 +37,13 @@ DPCC_PRESETS: dict[str, dict] = {
     # reaches the KL target 0.01 nats/token of the drift probe's KL(pi_old || pi_new) per token, k3
     # (1 - 18 * 0.01 = 0.82 = 1.05 / 1.28). Chosen on the development seeds from targets 0.01, 0.02,
     # 0.05 and 0.1 (benchmarks/stability/kl-target-calibration.md); the earlier 0.005 (alpha 36) was
-    # stated in per-step units and kept tau at tau_min at the safe LR.
+    # stated in per-step units and kept tau at tau_min at the safe LR. The KL-target LR rule (drift
+    # target drift_threshold = 0.02 of the probe's KL) without the early LR warm-up was chosen over the
+    # step rule and its variants by two pre-registered development rounds
+    # (benchmarks/stability/kl-target-rule.md).
     "calibrated": {"tau0": 1.28, "alpha": 18.0, "tau_min": 1.05, "early_tau": 1.1, "drift_score": "kl_ema",
-                   "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": True, "drift_probe": True,
-                   "drift_lr_rule": "step"},
+                   "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": False, "drift_probe": True,
+                   "drift_lr_rule": "kl_target"},
 }
 
 

@@ -32,6 +32,9 @@ def test_dpcc_presets_fill_unset_fields_only(preset):
 
     cfg = from_dict(LossConfig, {"dpcc": {"preset": preset}}).dpcc
     assert {k: getattr(cfg, k) for k in DPCC_PRESETS[preset]} == DPCC_PRESETS[preset]
+    # the calibrated preset's LR rule is the KL-target one, without the early LR warm-up; the paper's is the step rule
+    assert (cfg.drift_lr_rule, cfg.early_lr_warmup) == {"calibrated": ("kl_target", False),
+                                                         "paper": ("step", False)}[preset]
     explicit = from_dict(LossConfig, {"dpcc": {"preset": preset, "tau0": 1.7, "truncation": "clip"}}).dpcc
     assert explicit.tau0 == 1.7 and explicit.truncation == "clip"  # an explicit value wins over the preset
     assert explicit.alpha == DPCC_PRESETS[preset]["alpha"]
