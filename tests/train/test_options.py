@@ -144,6 +144,14 @@ def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
         assert state["kl_ema"] > 1e-6
         # the detector's per-step KL is the fresh step's; the probe is the controller's alone
         assert all(r["kl_step_max"] == pytest.approx(0.0, abs=1e-6) for r in records)
+        # the KL-target rule's scale follows the probe readings alone, and each iteration's (only) step runs at it
+        from dpcc_megatron.algo import kl_target_scale
+
+        scale = 1.0
+        for r in records:
+            assert r["lr_factor"] == pytest.approx(scale)
+            scale = kl_target_scale(scale, r["kl_probe"], 0.02, 0.5, 0.05)
+        assert state["lr_scale"] == pytest.approx(scale)
     else:
         assert all("kl_probe" not in r for r in records)
         assert state["kl_ema"] == pytest.approx(0.0, abs=1e-6)  # drift is never read
