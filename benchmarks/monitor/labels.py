@@ -1,7 +1,7 @@
 """The labelling rule of the monitor's labelled set: a written rule on the reward and entropy
 curves of a stream, applied to every stream alike (no stream is labelled by hand).
 
-Revised twice, each time before the held-out part it was then scored on was trained:
+Revised three times, each time before the held-out part it was then scored on was trained:
 1. "m stays below half its best to the end" became "m is below half its best and the rest of the
    run averages below it", because a single lucky batch of the 8-prompt reward after an obvious
    fall undid the first form.
@@ -9,6 +9,10 @@ Revised twice, each time before the held-out part it was then scored on was trai
    the first held-out part, runs whose entropy had left the band for good with the reward no better
    than at the start (a policy turned near-deterministic or random without learning) were labelled
    healthy because their 20-iteration reward never quite halved.
+3. The ``degraded`` label was added: runs at too-large LRs whose reward sank and stayed low without
+   quite halving (a policy drifting away, KL running off, no learning) were labelled healthy, so
+   a critical alert on them counted as a false alarm. Such a run is neither a collapse by the rule
+   nor healthy; the detector is scored on it separately.
 
 - **Reward** r_t: the rule-track reward ``reward_base_mean`` (``reward_mean`` when absent);
   m_t its trailing mean over 3 iterations.
@@ -19,8 +23,15 @@ Revised twice, each time before the held-out part it was then scored on was trai
   of ``monitor evaluate`` is measured to); or the entropy is outside the band for
   ``ENTROPY_RUN`` consecutive iterations while the rule reward over them averages no higher than
   the warm-started policy's r_0 (:func:`entropy_collapse`); or the trainer stopped on non-finite
-  steps, or the stream carries a non-finite entropy or reward. Otherwise **healthy**: a run that
-  masters the task with a falling entropy and a rising reward is healthy.
+  steps, or the stream carries a non-finite entropy or reward.
+- **Degraded** when it did not collapse, but its final held-out greedy reward (the trainer's
+  ``reward_after``) is below the warm-started policy's (``reward_before``): it ended worse than it
+  started, by the stability benchmark's "ended below start" measure. The greedy evaluation reads
+  fixed held-out prompts, so it is not the 8-prompt batch noise of the training reward (that noise
+  labelled 6 of 16 safe-LR GRPO runs of the development part degraded when the last 5 iterations'
+  training reward was compared with the first iteration's).
+- Otherwise **healthy**: a run that masters the task with a falling entropy and a rising reward is
+  healthy, and so is one that stays where it started.
 - **onset** = the earlier of h and the entropy clause's first iteration (for a non-finite stop: the
   first non-finite iteration, else the last iteration).
 - **direction**: the entropy band is [0.4, 2.0] x the warm-started policy's entropy e_0 (the first
@@ -85,9 +96,10 @@ def entropy_collapse(records: list[dict], band: tuple[float, float], run: int = 
     return None
 
 
-def label_stream(records: list[dict], stop_reason: str = "") -> dict:
+def label_stream(records: list[dict], stop_reason: str = "", greedy: Optional[tuple] = None) -> dict:
     """``{"label", "onset", "direction", "halves", "entropy_collapse", "entropy_exit", "instant",
-    "best_reward", "final_reward", "entropy_band"}`` of one stream (see the module docstring)."""
+    "best_reward", "final_reward", "entropy_band"}`` of one stream (see the module docstring).
+    ``greedy``: the run's held-out greedy reward (before, after) RL; without it no stream is degraded."""
     e0 = records[0].get("entropy") if records else None
     band = (BAND[0] * e0, BAND[1] * e0) if _finite(e0) and e0 > 0 else None
     m = [v for v in smoothed_reward(records) if v is not None]
@@ -100,7 +112,9 @@ def label_stream(records: list[dict], stop_reason: str = "") -> dict:
     out["entropy_collapse"] = entropy_collapse(records, band) if band else None
     found = [h for h in (out["halves"], out["entropy_collapse"]) if h is not None]
     if not found and not non_finite:
-        return {"label": "healthy", "onset": None, "direction": None, "instant": False, **out}
+        below = greedy is not None and all(_finite(v) for v in greedy) and greedy[1] < greedy[0]
+        return {"label": "degraded" if below else "healthy", "onset": None,
+                "direction": None, "instant": False, **out}
     onset = min(found) if found else (bad[0] if bad else int(records[-1]["iteration"]))
     after = [r.get("entropy") for r in records if int(r["iteration"]) >= onset and _finite(r.get("entropy"))]
     direction = None

@@ -116,7 +116,7 @@ class MonitorConfig:
     """kl_drift fires when kl_old_new exceeds this..."""
     kl_window: int = 3
     """...for this many consecutive batches."""
-    kl_critical_threshold: Optional[float] = 0.5
+    kl_critical_threshold: Optional[float] = 1.0
     """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
     `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
     kl_sustained_threshold: Optional[float] = 0.1

@@ -6,7 +6,8 @@ A labelled set is a folder with ``labels.jsonl``, one object per stream::
      "onset": 12, "direction": "low", "source": "benchmarks/stability"}
 
 ``stream`` is a metrics.jsonl file (one record per iteration, as the trainer writes it),
-relative to the folder; ``label`` is ``collapse`` or ``healthy``; ``split`` is ``dev`` or
+relative to the folder; ``label`` is ``collapse``, ``healthy`` or ``degraded`` (a run that did
+not collapse but ended worse than it started: neither a miss nor a false alarm); ``split`` is ``dev`` or
 ``heldout`` (tune on dev, report held-out); ``onset`` (collapse only) is the iteration the
 collapse began, by the labeller's definition; ``direction`` (``high``/``low``) and ``source``
 are informational.
@@ -21,7 +22,9 @@ Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
   (collapsed streams whose reward halves); the median is reported;
 * **healthy_critical**: confirmed critical alerts on healthy streams (``healthy_alarmed``: the
   healthy streams with at least one);
-* **warnings_per_100_healthy**: warnings (any non-confirmed alert) per 100 healthy iterations.
+* **warnings_per_100_healthy**: warnings (any non-confirmed alert) per 100 healthy iterations;
+* **degraded_alarmed**: degraded streams with a confirmed critical alert (informational: advising an
+  LR cut on a run that is sinking is not a false alarm, and missing it is not a missed collapse).
 
 The reward read is the rule track (``reward_base_mean``) when the stream has it, else
 ``reward_mean``. Stdlib only (the sidecar side of the package never imports torch).
@@ -38,7 +41,7 @@ from typing import Any, Optional
 from .detector import CollapseDetector
 from .records import RecordError, normalize_record
 
-LABELS = ("collapse", "healthy")
+LABELS = ("collapse", "healthy", "degraded")
 SPLITS = ("dev", "heldout")
 
 
@@ -182,6 +185,7 @@ def replay(records: list[dict], cfg: Any, name: str = "", label: str = "") -> St
 def score(results: list[StreamResult]) -> dict:
     collapsed = [r for r in results if r.label == "collapse"]
     healthy = [r for r in results if r.label == "healthy"]
+    degraded = [r for r in results if r.label == "degraded"]
     alarmed = [r for r in results if r.first_confirmed is not None]
     hits = [r for r in collapsed if r.detected]
     leads = [r.lead for r in hits if r.lead is not None]
@@ -194,6 +198,7 @@ def score(results: list[StreamResult]) -> dict:
         "healthy_critical": sum(r.criticals for r in healthy),
         "healthy_alarmed": sum(r.criticals > 0 for r in healthy),
         "warnings_per_100_healthy": 100.0 * sum(r.warnings for r in healthy) / healthy_iters if healthy_iters else None,
+        "degraded": len(degraded), "degraded_alarmed": sum(r.criticals > 0 for r in degraded),
     }
 
 

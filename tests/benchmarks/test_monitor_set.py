@@ -42,6 +42,20 @@ def test_labelling_rule_on_curves():
     assert label_stream(_stream([0.4] * 10 + [0.05] * 3, [0.8] * 13))["label"] == "healthy"
 
 
+def test_degraded_clause_reads_the_greedy_reward_before_and_after():
+    flat = _stream([0.3] * 20, [0.8] * 20)
+    # no collapse by the curves; the held-out greedy reward fell: degraded (neither a collapse nor healthy)
+    assert label_stream(flat, greedy=(0.35, 0.30))["label"] == "degraded"
+    assert label_stream(flat, greedy=(0.30, 0.30))["label"] == "healthy"  # ended where it started
+    assert label_stream(flat, greedy=(0.30, 0.45))["label"] == "healthy"
+    # without the greedy reward (or with a non-finite one) there is no degraded verdict
+    assert label_stream(flat)["label"] == "healthy"
+    assert label_stream(flat, greedy=(0.35, float("nan")))["label"] == "healthy"
+    # a collapse stays a collapse whatever the greedy reward did
+    down = _stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [0.1] * 10)
+    assert label_stream(down, greedy=(0.3, 0.5))["label"] == "collapse"
+
+
 def test_entropy_clause_of_the_labelling_rule():
     # entropy leaves the band (0.4 x 0.8 = 0.32) for 5 iterations from 6 with the reward no better than
     # at the start, and the reward never halves: a collapse read on the entropy curve, onset 6
@@ -62,8 +76,8 @@ def test_entropy_clause_of_the_labelling_rule():
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
-    # held-out parts already read (41-42) are development seeds now
-    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44)] == ["dev"] * 6 + ["heldout"] * 2
+    # held-out parts already read (41-42, 43-44) are development seeds now
+    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44, 45, 46)] == ["dev"] * 8 + ["heldout"] * 2
     # every family in both parts
     assert all(set(f.seeds) - set(HELDOUT_SEEDS) and set(f.seeds) >= set(HELDOUT_SEEDS) for f in FAMILIES)
     rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
@@ -78,7 +92,8 @@ def test_committed_set_matches_its_split_rule_and_labels():
     for x in labels:
         assert x["split"] == split_of(x["seed"]), x["stream"]
         records = [json.loads(line) for line in x["path"].read_text().splitlines() if line.strip()]
-        again = label_stream(records, x["stop_reason"])  # the rule, re-applied to the committed stream
+        # the rule, re-applied to the committed stream and its greedy rewards
+        again = label_stream(records, x["stop_reason"], greedy=(x["greedy_before"], x["greedy_after"]))
         assert (again["label"], again["onset"], again["direction"]) == (x["label"], x["onset"], x["direction"])
     for split in ("dev", "heldout"):
         part = [x for x in labels if x["split"] == split]
@@ -86,24 +101,27 @@ def test_committed_set_matches_its_split_rule_and_labels():
     assert any(x["direction"] == "high" for x in labels)
 
 
-def _fake_run(folder: Path, name: str, rewards, entropies):
+def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
     run = folder / "runs" / name
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stream(rewards, entropies)))
-    (run / "train_summary.json").write_text(json.dumps({"stop_reason": "completed"}))
+    (run / "train_summary.json").write_text(json.dumps({"stop_reason": "completed", "reward_before": greedy[0],
+                                                         "reward_after": greedy[1]}))
 
 
 def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     stab = tmp_path / "small"
     _fake_run(stab, "grpo__lr0.002__s9", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.0002__s43", [0.3] * 20, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.0002__s45", [0.3] * 20, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.002__s45", [0.3] * 20, [0.8] * 20, greedy=(0.3, 0.2))
     (stab / "runs" / "not-a-run").mkdir()
     (stab / "manifest.json").write_text(json.dumps({"testbed": TESTBED.extra}))
-    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 43), ("grpo", 0.002, 9)]
+    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 45), ("dpcc", 0.002, 45), ("grpo", 0.002, 9)]
     labels = write_set(tmp_path / "set", tmp_path / "out", families=(), stability=[stab])
     got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
-    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 43, "heldout", "healthy")}
-    assert len(read_labels(tmp_path / "out")) == 2  # a valid labelled set
+    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 45, "heldout", "healthy"),
+                   ("stab-grid", "dpcc", 45, "heldout", "degraded")}
+    assert len(read_labels(tmp_path / "out")) == 3  # a valid labelled set
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
     with pytest.raises(SystemExit, match="testbed"):

@@ -156,8 +156,11 @@ def test_kl_interrupted_run_does_not_fire():
     cfg = MonitorConfig(**KL_WARNING_ONLY)
     assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]), cfg) == []
     assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9]), cfg) == []  # 0.8 is not above 0.8
-    # with the calibrated defaults each 0.9 is a runaway (over kl_critical_threshold 0.5)
-    assert rules(run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))) == [("kl_drift", 0)]
+    # with the calibrated defaults no value is a runaway (kl_critical_threshold 1.0), but all three stay
+    # over kl_sustained_threshold (0.1) for kl_sustained_window (3): critical at the third
+    alerts = run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))
+    assert [(a.rule, a.iteration, a.severity) for a in alerts] == [("kl_drift", 2, "critical")]
+    assert rules(run_detector(stream("kl_old_new", [1.1, 0.0, 0.0]))) == [("kl_drift", 0)]
 
 
 def test_kl_threshold_and_window_are_configurable():
@@ -306,7 +309,9 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
 def test_kl_drift_alert_names_the_per_step_kl_it_read():
     det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2))
     alerts = [a for i in range(3) for a in det.update({"iteration": i, "kl_old_new": 0.3, "kl_step_max": 0.6})]
-    assert [(a.rule, a.metric) for a in alerts] == [("kl_drift", "kl_step_max")]
+    # the window of 2 over 0.5 warns at iteration 1; over kl_sustained_threshold (0.1) for 3 it is critical at 2
+    assert [(a.rule, a.metric, a.severity, a.iteration) for a in alerts] == [
+        ("kl_drift", "kl_step_max", "warning", 1), ("kl_drift", "kl_step_max", "critical", 2)]
     assert "per-step" in alerts[0].message and alerts[0].details["judged_on"] == "kl_step_max"
     reward = CollapseDetector(MonitorConfig(reward_collapse_patience=2))
     alerts = [a for i in range(3) for a in reward.update({"iteration": i, "reward_mean": 0.5, "reward_std": 0.3,

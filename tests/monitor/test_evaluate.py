@@ -70,6 +70,11 @@ def test_score_counts_false_alarms_and_warnings():
     s = score(res)
     assert s["recall"] == 0.5 and s["precision"] == 0.5 and s["healthy_critical"] == 2
     assert s["warnings_per_100_healthy"] == pytest.approx(4.0) and s["median_lead_iterations"] == 5
+    # a degraded stream's alarm is neither a false alarm nor a detection; its warnings are not healthy ones
+    s2 = score(res + [StreamResult("e", "degraded", 50, 3, None, 9, 4), StreamResult("f", "degraded", 50, None, None, 0, 0)])
+    assert (s2["degraded"], s2["degraded_alarmed"]) == (2, 1)
+    assert s2["healthy_critical"] == 2 and s2["recall"] == 0.5
+    assert s2["warnings_per_100_healthy"] == pytest.approx(4.0)
 
 
 def test_late_alarm_does_not_count_as_detection():
