@@ -81,7 +81,8 @@ class DPCCConfig:
     """Conservative threshold cap of the early phase, in [tau_min, tau0] (paper 1.2, calibrated 1.1)."""
     early_lr_warmup: Optional[bool] = None
     """Also warm the LR up linearly over the early phase (factor (step + 1) / early steps): the early cap
-    cannot act on an iteration's first step, whose ratio is exactly 1 (paper false, calibrated true)."""
+    cannot act on an iteration's first step, whose ratio is exactly 1 (false in both presets; the calibrated
+    preset had it on until its KL-target LR rule replaced it)."""
     tau: Optional[float] = None
     """Internal: the threshold tau_t handed to the `dpcc` loss, set every step by
     DPCCController.loss_config(). Must be left unset in a config (refused): for a fixed threshold set
