@@ -24,6 +24,9 @@ when CUDA is available, so it can never leak into a GPU job.
 """
 from __future__ import annotations
 
+import os
+from typing import Mapping, Optional
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -65,6 +68,29 @@ _TYPE_NAMES = {
     torch.uint8: "torch.cuda.ByteTensor",
     torch.bool: "torch.cuda.BoolTensor",
 }
+
+
+def cpu_threads(local_world_size: int, env: Optional[Mapping[str, str]] = None,
+                cpu_count: Optional[int] = None) -> int:
+    """Intra-op threads for one CPU rank: ``OMP_NUM_THREADS`` when it is set to a positive integer,
+    else the cores shared evenly among the node's ranks (at least 1).
+
+    An explicit ``OMP_NUM_THREADS`` wins because the caller knows what else shares the cores: two
+    single-rank runs side by side (the stability runner's ``--jobs 2``) each asking for every core
+    oversubscribe them, and OpenMP's spinning barriers then slow both several-fold. A malformed value
+    is refused, naming the variable, instead of silently falling back."""
+    env = os.environ if env is None else env
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {raw!r}")
+        return n
+    cores = os.cpu_count() if cpu_count is None else cpu_count
+    return max(1, (cores or 1) // max(1, local_world_size))
 
 
 def cpu_megatron_enabled() -> bool:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -318,10 +317,10 @@ def setup_run(cfg: JobConfig) -> RunContext:
     info = discover_ranks()
     export_torch_env(info)
     if not torch.cuda.is_available():
-        from ..testing import enable_cpu_megatron
+        from ..testing import cpu_threads, enable_cpu_megatron
 
         enable_cpu_megatron()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
+        torch.set_num_threads(cpu_threads(info.local_world_size))
     init_distributed(cfg.parallel.backend, cfg.parallel.distributed_timeout_minutes)
     dp = data_parallel_size(cfg.parallel, dist.get_world_size())
     _check_batch_layout(cfg, dp)
