@@ -155,14 +155,33 @@ def trim(records: list[dict]) -> list[dict]:
 
 
 STABILITY_FAMILY = "stab-grid"
+#: Samples of one iteration of the testbed (8 prompts x 8 samples).
+TESTBED_SAMPLES = 64
 _RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)$")
 
 
-def stability_runs(folder: Path) -> list[tuple[str, float, int, Path]]:
+def _model(testbed: dict) -> dict:
+    return {k: v for k, v in testbed.items() if k.startswith("model.")}
+
+
+def grid_family(testbed: dict) -> str:
+    """The family name of a stability grid's runs: its task, difficulty and optimizer steps per iteration."""
+    samples = TESTBED_SAMPLES
+    steps = samples // testbed.get("train.mini_batch_size", samples // 2)
+    return (f"grid-{testbed.get('data.synthetic_task', 'addition')}{testbed.get('data.synthetic_digits', 1)}"
+            f"-{steps}step")
+
+
+def stability_runs(folder: Path, any_testbed: bool = False) -> list[tuple[str, float, int, Path]]:
     """(method, lr, seed, run dir) of every finished run of a stability-runner output folder whose
-    testbed is this set's (:data:`TESTBED`, read from the folder's manifest.json)."""
+    testbed is this set's (:data:`TESTBED`, read from the folder's manifest.json); with ``any_testbed``,
+    any task, difficulty and steps per iteration of this set's model."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    if manifest.get("testbed") != TESTBED.extra:
+    testbed = manifest.get("testbed") or {}
+    if any_testbed:
+        if _model(testbed) != _model(TESTBED.extra):
+            raise SystemExit(f"{folder}: its model {_model(testbed)} is not this set's {_model(TESTBED.extra)}")
+    elif testbed != TESTBED.extra:
         raise SystemExit(f"{folder}: its testbed {manifest.get('testbed')} is not this set's {TESTBED.extra}")
     out = []
     for run_dir in sorted((folder / "runs").iterdir()):
@@ -172,7 +191,7 @@ def stability_runs(folder: Path) -> list[tuple[str, float, int, Path]]:
     return out
 
 
-def _labelled(run_dir: Path, dest: Path, name: str, **info) -> Optional[dict]:
+def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None, **info) -> Optional[dict]:
     records = trim(read_metrics(run_dir))
     if not records:
         return None
@@ -181,14 +200,15 @@ def _labelled(run_dir: Path, dest: Path, name: str, **info) -> Optional[dict]:
     (dest / stream).write_text("".join(json.dumps(r) + "\n" for r in records))
     greedy = (summary.get("reward_before"), summary.get("reward_after"))
     lab = label_stream(records, stop_reason=summary.get("stop_reason", ""), greedy=greedy)
-    return {"stream": stream, "label": lab.pop("label"), "split": split_of(info["seed"]), **lab,
+    return {"stream": stream, "label": lab.pop("label"), "split": split or split_of(info["seed"]), **lab,
             "greedy_before": greedy[0], "greedy_after": greedy[1],
             "stop_reason": summary.get("stop_reason", ""), **info}
 
 
-def write_set(out: Path, dest: Path, families=FAMILIES, stability=()) -> list[dict]:
-    """Label every finished run of ``families`` (and of the stability-runner folders ``stability``) and
-    write DIR/streams + DIR/labels.jsonl."""
+def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_grids=()) -> list[dict]:
+    """Label every finished run of ``families`` (and of the stability-runner folders ``stability``, split
+    by seed, and ``heldout_grids``, any testbed of this set's model, all held out) and write DIR/streams +
+    DIR/labels.jsonl."""
     (dest / "streams").mkdir(parents=True, exist_ok=True)
     labels = []
     for fam, seed in planned(families):
@@ -202,6 +222,13 @@ def write_set(out: Path, dest: Path, families=FAMILIES, stability=()) -> list[di
             name = f"{STABILITY_FAMILY}__{run_key(method, lr, seed)}"
             labels.append(_labelled(run_dir, dest, name, family=STABILITY_FAMILY, method=method, lr=lr, seed=seed,
                                     source="benchmarks/stability/run.py --grid small"))
+    for folder in heldout_grids:
+        testbed = json.loads((Path(folder) / "manifest.json").read_text()).get("testbed") or {}
+        family = grid_family(testbed)
+        for method, lr, seed, run_dir in stability_runs(Path(folder), any_testbed=True):
+            name = f"{family}__{run_key(method, lr, seed)}"
+            labels.append(_labelled(run_dir, dest, name, split="heldout", family=family, method=method, lr=lr,
+                                    seed=seed, source=f"benchmarks/stability/run.py --grid small ({family})"))
     labels = [x for x in labels if x is not None]
     (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
     return labels
@@ -211,7 +238,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/monitor_set", help="run outputs, logs and the warm-start")
     p.add_argument("--write", default=None, metavar="DIR", help="label and write the streams here")
-    p.add_argument("--families", default=None, help="comma list of family names (default: all)")
+    p.add_argument("--families", default=None, help="comma list of family names (default: all; none: no family)")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one process each, one thread each)")
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
@@ -219,12 +246,16 @@ def main(argv=None) -> int:
     p.add_argument("--stability", action="append", default=[], metavar="DIR",
                    help="also label and write the runs of this `benchmarks.stability.run --grid small` output "
                         "folder (family stab-grid; split by seed like the rest)")
+    p.add_argument("--heldout-grid", action="append", default=[], metavar="DIR",
+                   help="also label and write every run of this stability-runner output folder (any task, "
+                        "difficulty and steps per iteration of this set's model) as held out, family "
+                        "grid-<task><digits>-<steps>step (benchmarks/monitor/heldout-grids.md)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     wanted = set(args.families.split(",")) if args.families else None
-    families = tuple(f for f in FAMILIES if wanted is None or f.name in wanted)
-    if wanted and not families:
+    families = () if wanted == {"none"} else tuple(f for f in FAMILIES if wanted is None or f.name in wanted)
+    if wanted and wanted != {"none"} and not families:
         p.error(f"--families: none of {sorted(wanted)}; known: {sorted({f.name for f in FAMILIES})}")
     out = Path(args.out).resolve()
     failures = 0
@@ -252,7 +283,7 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # the planned order, args.jobs at a time
             failures = sum(not ok for ok in pool.map(work, enumerate(todo, 1)))
     if args.write:
-        labels = write_set(out, Path(args.write), families, args.stability)
+        labels = write_set(out, Path(args.write), families, args.stability, args.heldout_grid)
         n = {k: sum(x["label"] == k for x in labels) for k in ("collapse", "healthy", "degraded")}
         print(f"[monitor-set] wrote {len(labels)} streams to {args.write} ({n['collapse']} collapse, "
               f"{n['healthy']} healthy, {n['degraded']} degraded)", flush=True)

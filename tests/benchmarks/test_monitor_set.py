@@ -128,6 +128,29 @@ def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
         stability_runs(stab)
 
 
+def test_heldout_grids_of_other_testbeds_join_as_held_out_with_their_family(tmp_path):
+    from benchmarks.stability.grid import testbed
+
+    sort1 = tmp_path / "sorting"
+    _fake_run(sort1, "grpo__lr0.002__s301", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
+    _fake_run(sort1, "dpcc-kt-strict__lr0.0002__s301", [0.3] * 20, [0.8] * 20)
+    model = {k: v for k, v in TESTBED.extra.items() if k.startswith("model.")}
+    (sort1 / "manifest.json").write_text(json.dumps({"testbed": {**model, **testbed("sorting", 3, 1)}}))
+    with pytest.raises(SystemExit, match="testbed"):  # not this set's testbed: refused as a stab-grid folder
+        stability_runs(sort1)
+    labels = write_set(tmp_path / "set", tmp_path / "out", families=(), heldout_grids=[sort1])
+    got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
+    assert got == {("grid-sorting3-1step", "grpo", 301, "heldout", "collapse"),
+                   ("grid-sorting3-1step", "dpcc-kt-strict", 301, "heldout", "healthy")}
+    assert {x["stream"] for x in read_labels(tmp_path / "out")} == {
+        "streams/grid-sorting3-1step__grpo__lr0.002__s301.jsonl",
+        "streams/grid-sorting3-1step__dpcc-kt-strict__lr0.0002__s301.jsonl"}
+    # another model is refused even as a held-out grid
+    (sort1 / "manifest.json").write_text(json.dumps({"testbed": {**model, "model.num_layers": 4}}))
+    with pytest.raises(SystemExit, match="model"):
+        write_set(tmp_path / "set", tmp_path / "out2", families=(), heldout_grids=[sort1])
+
+
 def _evaluate(folder, split):
     proc = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled",
                            str(folder), "--split", split], capture_output=True, text=True, timeout=300, cwd=ROOT)
