@@ -50,18 +50,25 @@ BASE_CONFIG = _demo_with({
 WARM_START = {"lr": 3e-3, "seed": 1}
 
 
-def testbed(task: str, digits: int, steps_per_iteration: int) -> dict:
-    """Overrides that set the task, its difficulty and the optimizer steps per iteration."""
+def testbed(task: str, digits: int, steps_per_iteration: int, prompts: int | None = None) -> dict:
+    """Overrides that set the task, its difficulty, the optimizer steps per iteration and (when given)
+    the prompts per iteration (each sampled ``group_size`` times)."""
     if task not in TASKS:
         raise KeyError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     if digits < 1:
         raise ValueError(f"--digits must be >= 1, got {digits}")
-    samples = BASE_CONFIG["rollout"]["prompts_per_iteration"] * BASE_CONFIG["rollout"]["group_size"]
+    if prompts is not None and prompts < 2:
+        raise ValueError(f"--prompts-per-iteration must be >= 2, got {prompts}")
+    r = BASE_CONFIG["rollout"]
+    samples = (prompts or r["prompts_per_iteration"]) * r["group_size"]
     if steps_per_iteration < 1 or samples % steps_per_iteration:
         raise ValueError(f"--steps-per-iteration must divide the {samples} samples of an iteration")
-    return {"data.synthetic_task": task, "data.synthetic_digits": digits,
-            "rollout.max_new_tokens": TASKS[task]["max_new_tokens"](digits),
-            "train.mini_batch_size": samples // steps_per_iteration}
+    out = {"data.synthetic_task": task, "data.synthetic_digits": digits,
+           "rollout.max_new_tokens": TASKS[task]["max_new_tokens"](digits),
+           "train.mini_batch_size": samples // steps_per_iteration}
+    if prompts is not None:  # only when asked: the keys are part of every cached run's identity
+        out.update({"rollout.prompts_per_iteration": prompts, "rollout.batch_size": samples})
+    return out
 
 EARLY_PHASE_STEPS = "<early-phase steps>"
 """Placeholder resolved per grid to DPCC's early phase in optimizer steps (20% of the run)."""
@@ -182,7 +189,8 @@ def early_phase_steps(grid: Grid) -> int:
     """Optimizer steps of DPCC's default early phase (early_phase_fraction 0.2) in this grid."""
     r = BASE_CONFIG["rollout"]
     mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
-    steps_per_iteration = r["prompts_per_iteration"] * r["group_size"] // mini
+    prompts = grid.extra.get("rollout.prompts_per_iteration", r["prompts_per_iteration"])
+    steps_per_iteration = prompts * r["group_size"] // mini
     return max(1, round(0.2 * grid.iterations * steps_per_iteration))
 
 

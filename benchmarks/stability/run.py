@@ -205,13 +205,19 @@ def select_grid(args) -> Grid:
         grid = replace(grid, seeds=args.seeds)
     if args.iterations:
         grid = replace(grid, iterations=args.iterations)
-    if args.task or args.digits or args.steps_per_iteration:  # the testbed: task, difficulty, steps
+    if getattr(args, "warm_start_steps", None):
+        grid = replace(grid, warm_start_steps=args.warm_start_steps)
+    prompts = getattr(args, "prompts_per_iteration", None)
+    if args.task or args.digits or args.steps_per_iteration or prompts:  # the testbed: task, difficulty, steps
         task = args.task or grid.extra.get("data.synthetic_task", "addition")
         digits = args.digits or (grid.extra.get("data.synthetic_digits") if not args.task else None) \
             or TASKS[task]["digits"]
+        r = BASE_CONFIG["rollout"]
         mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
-        samples = BASE_CONFIG["rollout"]["prompts_per_iteration"] * BASE_CONFIG["rollout"]["group_size"]
-        grid = replace(grid, extra={**grid.extra, **testbed(task, digits, args.steps_per_iteration or samples // mini)})
+        old_samples = grid.extra.get("rollout.prompts_per_iteration", r["prompts_per_iteration"]) * r["group_size"]
+        steps = args.steps_per_iteration or old_samples // mini
+        prompts = prompts or grid.extra.get("rollout.prompts_per_iteration")
+        grid = replace(grid, extra={**grid.extra, **testbed(task, digits, steps, prompts)})
     if getattr(args, "engine", None) == "vllm":  # megatron is the default: cached results stay valid
         grid = replace(grid, extra={**grid.extra, "rollout.engine": "vllm"})
     if getattr(args, "set", None):
@@ -255,6 +261,9 @@ def main(argv=None) -> int:
                                                "(sorting); default: the task's")
     p.add_argument("--steps-per-iteration", type=int,
                    help="optimizer steps per RL iteration (the mini-batch is the iteration's samples / N; default 2)")
+    p.add_argument("--prompts-per-iteration", type=int,
+                   help="prompts per RL iteration, each sampled group_size (8) times (default: the grid's, 8)")
+    p.add_argument("--warm-start-steps", type=int, help="supervised warm-start steps (default: the grid's)")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (one process each)")
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")

@@ -133,6 +133,29 @@ def test_testbed_selects_task_difficulty_and_steps():
     assert len(grid.lrs) == 3 and len(grid.seeds) >= 16
 
 
+def test_prompts_per_iteration_and_warm_start_steps_set_the_testbed():
+    import argparse
+
+    from benchmarks.stability.grid import build_config, testbed
+    from benchmarks.stability.run import select_grid, warm_start_spec
+
+    wide = build_config(testbed("sorting", 3, 2, prompts=16))
+    assert wide["rollout"]["prompts_per_iteration"] == 16 and wide["rollout"]["batch_size"] == 128
+    assert wide["train"]["mini_batch_size"] == 64  # still 2 optimizer steps per iteration
+    assert "rollout.prompts_per_iteration" not in testbed("sorting", 3, 2)  # cached runs keep their identity
+    with pytest.raises(ValueError, match="prompts-per-iteration"):
+        testbed("sorting", 3, 2, prompts=1)
+    base = dict(grid="core", methods=None, lrs=None, seeds=None, iterations=None, task=None, digits=None,
+                steps_per_iteration=None)
+    grid = select_grid(argparse.Namespace(**base, prompts_per_iteration=16, warm_start_steps=60))
+    assert grid.extra["rollout.prompts_per_iteration"] == 16 and grid.extra["train.mini_batch_size"] == 64
+    assert grid.extra["data.synthetic_task"] == "addition" and grid.warm_start_steps == 60
+    assert early_phase_steps(grid) == 16  # 2 steps per iteration: 20% of 80 steps
+    assert warm_start_spec(grid)["steps"] == 60
+    plain = select_grid(argparse.Namespace(**base, prompts_per_iteration=None, warm_start_steps=None))
+    assert plain == GRIDS["core"]  # no flag: the grid as defined
+
+
 def test_engine_flag_selects_the_rollout_engine_of_every_run():
     import argparse
 
