@@ -259,3 +259,27 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
     assert broken["collapse_rule"] in {"reward_halved", "entropy_band", "non_finite"}
     assert broken["detector_confirmed"] is not None  # the monitor would have advised rollback
     assert broken["pass1_before"] is not None and broken["pass1_after"] is not None  # from eval.jsonl
+
+
+def test_viability_rule_of_a_candidate_testbed():
+    from benchmarks.stability.viability import assess
+
+    def run(lr, seed, before, after, collapsed=False, curve=(0.2, 0.3, 0.4, 0.5)):
+        return {"method": "grpo", "lr": lr, "seed": seed, "reward_before": before, "reward_after": after,
+                "collapsed": collapsed, "reward_base_curve": list(curve)}
+
+    safe = [run(2e-4, s, 0.3, 0.4) for s in range(4)]
+    hurt = [run(2e-3, 0, 0.3, 0.2), run(2e-3, 1, 0.3, 0.4, collapsed=True), run(2e-3, 2, 0.3, 0.4),
+            run(2e-3, 3, 0.3, 0.4)]
+    a = assess(safe + hurt, 2e-4, 2e-3)
+    assert a["viable"] and a["aggressive_hurt"] == 2
+    # first iteration 0.2, best 3-iteration mean 0.4: halfway is 0.3
+    assert a["target"] == pytest.approx(0.3)
+    assert not assess(safe[:3] + [run(2e-4, 3, 0.3, 0.4, collapsed=True)] + hurt, 2e-4, 2e-3)["viable"]
+    flat = [run(2e-4, s, 0.3, 0.31) for s in range(4)]  # learns too little on average
+    assert assess(flat + hurt, 2e-4, 2e-3)["conditions"]["learns"] is False
+    easy = safe[:3] + [run(2e-4, 3, 0.3, 0.95)]
+    assert assess(easy + hurt, 2e-4, 2e-3)["conditions"]["room_left"] is False
+    assert assess(safe + hurt[2:] + [run(2e-3, 0, 0.3, 0.4)], 2e-4, 2e-3)["conditions"]["aggressive_hurts"] is False
+    with pytest.raises(ValueError, match="need grpo runs"):
+        assess(safe, 2e-4, 2e-3)
