@@ -101,7 +101,7 @@ class CollapseDetector:
         self.cfg = cfg if cfg is not None else _default_cfg()
         self.run_id = run_id
         c = self.cfg
-        self._hist_len = max(c.kl_window, getattr(c, "kl_sustained_window", 1), c.entropy_jump_window,
+        self._hist_len = max(c.kl_window, c.kl_sustained_window, c.entropy_jump_window,
                              c.grad_spike_window + 1,
                              c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps, 2)
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
@@ -212,7 +212,7 @@ class CollapseDetector:
             self.kl_estimator = est
 
         vals = {k: record.get(k) for k in _TRACKED}
-        rel = getattr(self.cfg, "entropy_band_relative", None)
+        rel = self.cfg.entropy_band_relative
         if self.band_source is None and rel is not None and is_finite(vals["entropy"]) and vals["entropy"] > 0:
             # the first record's entropy is the starting policy's (measured before its update)
             e0 = float(vals["entropy"])
@@ -351,7 +351,7 @@ class CollapseDetector:
             self._counters["below_band"] = self._counters["below_band"] + 1 if e < floor else 0
             if self._counters["below_band"] >= c.low_entropy_patience:
                 template = self._template_collapse(rec)
-                gain = getattr(c, "mastered_reward_gain", None)
+                gain = c.mastered_reward_gain
                 learned = self._learned(gain) if gain is not None else None
                 if learned is not None and learned[0] and not template:
                     # a task being mastered: entropy falls because the reward rose (healthy, no alert)
@@ -422,10 +422,10 @@ class CollapseDetector:
         est = self.kl_estimator or "unspecified"
         hit_new = self._consecutive(rec, "kl_old_new", c.kl_threshold)
         hit_ref = self._consecutive(rec, "kl_ref", c.kl_ref_threshold)
-        crit = getattr(c, "kl_critical_threshold", None)
+        crit = c.kl_critical_threshold
         kl = rec.get("kl_old_new")
         runaway = crit is not None and is_finite(kl) and kl > crit
-        sus, sus_n = getattr(c, "kl_sustained_threshold", None), getattr(c, "kl_sustained_window", 1)
+        sus, sus_n = c.kl_sustained_threshold, c.kl_sustained_window
         if sus is not None and is_finite(kl):
             self._counters["kl_sustained"] = self._counters["kl_sustained"] + 1 if kl > sus else 0
         sustained = sus is not None and self._counters["kl_sustained"] >= sus_n
@@ -489,7 +489,7 @@ class CollapseDetector:
         self._counters["reward"] = self._counters["reward"] + 1 if self._no_reward_signal(rec) else 0
         if self._counters["reward"] < c.reward_collapse_patience:
             return None
-        gain = getattr(c, "mastered_reward_gain", None)
+        gain = c.mastered_reward_gain
         learned = self._learned(gain) if gain is not None else None
         if learned is not None and learned[0]:
             return None  # uniform groups because the task is solved, not because the signal is lost
