@@ -168,6 +168,12 @@ GRIDS: dict[str, Grid] = {
     # `--seeds 25,...,40`, fresh after the re-calibration on the development seeds.
     "small": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, AGGRESSIVE_LR), seeds=tuple(range(9, 25)), iterations=20,
                   warm_start_steps=60, extra={**_DEFAULT_TESTBED, **_SMOKE_MODEL}),
+    # The harder testbed chosen on development seeds 101-104 by four-layer-testbed.md (candidate C1): the
+    # 4-layer GPT, 3-number sorting (answers of 5 characters), 40 iterations, 150 warm-start steps; its
+    # target reward (0.5) came from the same development runs. Held-out seeds 401-416.
+    "deep": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, MEDIUM_LR, AGGRESSIVE_LR), seeds=tuple(range(401, 417)),
+                 iterations=40, warm_start_steps=150, target_reward=0.5,
+                 extra=testbed("sorting", 3, 2, prompts=BASE_CONFIG["rollout"]["prompts_per_iteration"])),
     # The smoke grid (tests/benchmarks): two methods, one seed, a few iterations, the demo's model;
     # the test adds a GRPO run at BROKEN_LR with `--methods grpo --lrs <BROKEN_LR>`. 8 iterations: the
     # collapse rule reads a halving only with 5 iterations after it (benchmarks/monitor/labels.py).

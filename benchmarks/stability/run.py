@@ -112,6 +112,16 @@ def judge(result: dict, run_dir: Path, target: float, wall: float, tail: str = "
     return result
 
 
+def resolved_dpcc(overrides: dict) -> dict | None:
+    """A `dpcc` run's `loss.dpcc` section as the trainer resolves it (preset values filled in), None for
+    another loss: a cached result made with other preset values is stale though its overrides are the same."""
+    from dpcc_megatron.config import JobConfig, to_dict
+    from dpcc_megatron.config.base import from_dict
+
+    loss = from_dict(JobConfig, build_config(overrides)).loss
+    return json.loads(json.dumps(to_dict(loss.dpcc))) if loss.name == "dpcc" else None
+
+
 def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
     """Train one (method, lr, seed), judge it, cache and return its result."""
     key = run_key(method, lr, seed, grid.sets)
@@ -120,7 +130,7 @@ def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path
     cfg = build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
     rc, wall, tail = train_once(cfg, run_dir, timeout_s)
     result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
-              "exit_code": rc, "warm_start": warm_start_spec(grid)}
+              "dpcc": resolved_dpcc(overrides), "exit_code": rc, "warm_start": warm_start_spec(grid)}
     if grid.sets:
         result["set"] = dict(grid.sets)
     judge(result, run_dir, grid.target_reward, wall, tail)
@@ -143,7 +153,8 @@ def rejudge(out: Path) -> int:
 
 
 def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
-    """Runs of ``grid`` without a cached result of this version, the same overrides and warm-start."""
+    """Runs of ``grid`` without a cached result of this version, the same overrides, the same resolved DPCC
+    settings (results from before they were recorded are taken as they are) and warm-start."""
     todo, spec = [], warm_start_spec(grid)
     for method, lr, seed in grid.runs():
         path = out / "results" / f"{run_key(method, lr, seed, grid.sets)}.json"
@@ -152,6 +163,7 @@ def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
                 cached = json.loads(path.read_text())
                 if (cached.get("version") == RESULT_VERSION and "error" not in cached
                         and cached.get("overrides") == run_overrides(grid, method, lr, seed)
+                        and ("dpcc" not in cached or cached["dpcc"] == resolved_dpcc(cached["overrides"]))
                         and cached.get("warm_start", spec) == spec):  # a result from another warm-start is stale
                     continue
             except json.JSONDecodeError:

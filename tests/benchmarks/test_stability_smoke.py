@@ -283,3 +283,32 @@ def test_viability_rule_of_a_candidate_testbed():
     assert assess(safe + hurt[2:] + [run(2e-3, 0, 0.3, 0.4)], 2e-4, 2e-3)["conditions"]["aggressive_hurts"] is False
     with pytest.raises(ValueError, match="need grpo runs"):
         assess(safe, 2e-4, 2e-3)
+
+
+def test_a_cached_dpcc_result_made_with_other_preset_values_is_run_again(tmp_path, monkeypatch):
+    import argparse
+
+    from benchmarks.stability import run as runner
+    from benchmarks.stability.run import pending_runs, resolved_dpcc, select_grid, warm_start_spec
+    from dpcc_megatron.config import algo
+
+    grid = select_grid(argparse.Namespace(grid="smoke", methods=("dpcc", "grpo"), lrs=None, seeds=None,
+                                          iterations=None, task=None, digits=None, steps_per_iteration=None))
+    (tmp_path / "results").mkdir()
+    for method, lr, seed in grid.runs():
+        over = run_overrides(grid, method, lr, seed)
+        result = {"version": runner.RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": over,
+                  "dpcc": resolved_dpcc(over), "warm_start": warm_start_spec(grid)}
+        (tmp_path / "results" / f"{run_key(method, lr, seed)}.json").write_text(json.dumps(result))
+    assert pending_runs(grid, tmp_path) == []
+    assert resolved_dpcc(run_overrides(grid, "dpcc", AGGRESSIVE_LR, 1))["tau0"] == algo.DPCC_PRESETS["calibrated"]["tau0"]
+    # the calibrated preset changes under the same method name: the dpcc result is stale, grpo's is not
+    changed = {**algo.DPCC_PRESETS, "calibrated": {**algo.DPCC_PRESETS["calibrated"], "tau0": 1.5}}
+    monkeypatch.setattr(algo, "DPCC_PRESETS", changed)
+    assert pending_runs(grid, tmp_path) == [("dpcc", AGGRESSIVE_LR, 1)]
+    # a result from before the settings were recorded is taken as it is
+    path = tmp_path / "results" / f"{run_key('dpcc', AGGRESSIVE_LR, 1)}.json"
+    legacy = json.loads(path.read_text())
+    del legacy["dpcc"]
+    path.write_text(json.dumps(legacy))
+    assert pending_runs(grid, tmp_path) == []
