@@ -421,7 +421,7 @@ def _testbed_title(manifest: dict) -> str:
 
 
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
-                 export: bool = False) -> Path:
+                 export: bool = False, targets_of: tuple[str, ...] = ()) -> Path:
     from .grid import GRIDS, IMPROVED_VARIANT, METHODS, PAPER_VARIANT
     from .measures import BAND
 
@@ -486,8 +486,9 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "## Paired comparison with GRPO (same seeds)", "",
         *paired_table(paired), "",
         *[f"![{p}]({p})" for p in pngs], "",
-        f"## Targets of the default (`{IMPROVED_VARIANT}`)", "",
-        *targets_lines(results, IMPROVED_VARIANT), "",
+        *[line for m in (targets_of or (IMPROVED_VARIANT,))
+          for line in (f"## Targets of the default (`{m}`)" if m == IMPROVED_VARIANT else
+                       f"## The default's targets, read for `{m}`", "", *targets_lines(results, m), "")],
         "## Against the published claims", "",
         *claims_paragraph(summary, paired, lrs, (PAPER_VARIANT, IMPROVED_VARIANT)), "",
     ]
@@ -511,9 +512,11 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=None,
                    help="target sampled rule reward for 'iterations to target' (default: the grid's)")
     p.add_argument("--export", action="store_true", help="also write results.jsonl (every run) next to the report")
+    p.add_argument("--targets-of", action="append", default=[], metavar="METHOD",
+                   help="read the default's targets for this method (repeatable; default: dpcc)")
     args = p.parse_args(argv)
     path = write_report(Path(args.out).resolve(), Path(args.results_md), Path(args.notes) if args.notes else None,
-                        args.target, args.export)
+                        args.target, args.export, tuple(args.targets_of))
     print(f"[stability] wrote {path}")
     return 0
 

@@ -253,6 +253,11 @@ def test_smoke_grid_makes_the_table_and_flags_the_broken_lr(tmp_path):
         assert (md.parent / png).stat().st_size > 1000
 
     assert "Measured throughput with `--jobs 1`" in text and "full grid of" in text
+    assert "## Targets of the default (`dpcc`)" in text
+    # the default's targets read for a named variant instead (here the only other method)
+    _module("benchmarks.stability.analyze", "--out", out, "--results-md", md, "--targets-of", "grpo")
+    text = md.read_text()
+    assert "## The default's targets, read for `grpo`" in text and "## Targets of the default" not in text
     broken = json.loads((out / "results" / f"{run_key('grpo', BROKEN_LR, 1)}.json").read_text())
     assert broken["iterations"] == GRIDS["smoke"].iterations
     assert broken["collapsed"], f"10x the aggressive LR was not flagged: {broken['reward_base_curve']}"
