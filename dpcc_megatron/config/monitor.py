@@ -125,6 +125,11 @@ class MonitorConfig:
     gone wrong) before the reward falls. None disables."""
     kl_sustained_window: int = 3
     """Consecutive iterations the per-step KL must stay above `kl_sustained_threshold`."""
+    step_kl_probe: bool = True
+    """With one optimizer step per iteration every in-step KL is the fresh step's (~0 by construction), so
+    the trainer measures that step's KL(pi_old || pi_new) after it, with one forward-only micro-batch of
+    the batch, and records it as `kl_step_max` for the KL rules (any loss; DPCC's drift probe, when on,
+    is the same pass). False: no extra pass, and the KL rules have no reading in that setting."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""
     mismatch_kl_threshold: Optional[float] = None

@@ -42,7 +42,7 @@ RECORD_FIELDS: dict[str, str] = {
     "reward_base_mean": "rule-track (base) reward mean",
     "reward_base_std": "rule-track reward standard deviation (the detector judges reward collapse on it)",
     "zero_var_frac_base": "fraction of groups whose rule-track rewards are all equal",
-    "kl_step_max": "largest per-step KL(pi_old || pi_new) of the iteration, measured in each step's forward (the detector's kl_drift reads it)",
+    "kl_step_max": "largest per-step KL(pi_old || pi_new) of the iteration, measured in each step's forward, or with one step per iteration after it (monitor.step_kl_probe); the detector's kl_drift reads it",
     "kl_probe": "DPCC drift probe: KL(pi_old || pi_new) after the iteration's last step (loss.dpcc.drift_probe); the controller reads it, the detector does not",
     "ds_rounds": "dynamic sampling: sampling rounds this iteration",
     "ds_sampled_groups": "dynamic sampling: groups sampled over all rounds, all DP ranks",

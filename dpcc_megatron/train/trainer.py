@@ -12,6 +12,7 @@ Every rank runs :func:`train`. One iteration:
 """
 from __future__ import annotations
 
+import math
 import signal
 import time
 
@@ -81,7 +82,7 @@ def train(cfg: JobConfig) -> dict:
     summary: dict = {"alerts": []}
     if cfg.loss.name == "dpcc":  # which DPCC ran: the calibrated default or the paper's literal method
         summary["dpcc_preset"] = cfg.loss.dpcc.preset
-    probe_enabled = cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe
+    dpcc_probe = cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe
 
     release = release_memory_enabled(cfg.train.release_memory_between_phases)
     start_iteration = ctx.resume(controller)
@@ -140,17 +141,22 @@ def train(cfg: JobConfig) -> dict:
 
         gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
         probe_kl = None
-        if probe_enabled:  # the drift the iteration's steps made
+        # With one step the probe reads that step's own KL, which no in-step forward can see.
+        one_step = steps == 1 and cfg.monitor.step_kl_probe
+        if dpcc_probe or one_step:  # the drift the iteration's steps made
             first = order[:mini][:probe_samples(cfg, mini)]
             probe_kl = probe_drift(ctx.chunks, controller, batch.select(first), cfg, dp_size=ctx.dp,
-                                   dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size)
+                                   dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size,
+                                   observe=dpcc_probe)
         release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0)
         record.update(samples.metrics)
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
-        if probe_kl is not None:  # DPCC's controller input; not a step's KL, so kl_step_max leaves it out
+        if probe_kl is not None and dpcc_probe:  # DPCC's controller input (after several steps, not one step's KL)
             record["kl_probe"] = probe_kl
+        if probe_kl is not None and one_step and math.isfinite(probe_kl):  # the only step's own KL
+            record["kl_step_max"] = probe_kl
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None

@@ -107,12 +107,14 @@ def probe_samples(cfg: JobConfig, mini: int) -> int:
 
 
 def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConfig, *, dp_size: int,
-                dp_group, pp_group, vocab_size: int) -> float:
-    """KL(pi_old || pi_theta) after the iteration's steps on ``batch`` (forward only), fed to the
-    controller as a drift observation (``loss.dpcc.drift_probe``); returns it (NaN if unusable).
+                dp_group, pp_group, vocab_size: int, observe: bool = True) -> float:
+    """KL(pi_old || pi_theta) after the iteration's steps on ``batch`` (forward only), fed to the DPCC
+    ``controller`` as a drift observation when ``observe`` (``loss.dpcc.drift_probe``); returns it (NaN
+    if unusable).
 
     With one optimizer step per iteration every in-step measurement is the fresh one (~0 by
-    construction), so without this the drift score and tau_t never see the step's drift."""
+    construction), so without this the drift score and tau_t never see the step's drift, and the
+    monitor's KL rules have no reading (``monitor.step_kl_probe``)."""
     import torch
 
     for c in chunks:
@@ -124,7 +126,8 @@ def probe_drift(chunks, controller: DPCCController, batch: RLBatch, cfg: JobConf
     finally:  # training mode back even if the pass raised (the caller may skip and go on)
         for c in chunks:
             c.train()
-    controller.observe(kl, probe=True, advance=False)
+    if observe:
+        controller.observe(kl, probe=True, advance=False)
     return kl
 
 

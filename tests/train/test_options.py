@@ -142,8 +142,8 @@ def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
         assert all(p > 1e-6 for p in probes)  # the step moved the policy and the probe saw it
         assert state["counters"]["observations"] == 3 and state["counters"]["fresh_kl_skipped"] == 3
         assert state["kl_ema"] > 1e-6
-        # the detector's per-step KL is the fresh step's; the probe is the controller's alone
-        assert all(r["kl_step_max"] == pytest.approx(0.0, abs=1e-6) for r in records)
+        # the probe read the only step's own KL: the detector's per-step KL is that reading
+        assert all(r["kl_step_max"] == r["kl_probe"] for r in records)
         # the KL-target rule's scale follows the probe readings alone, and each iteration's (only) step runs at it
         from dpcc_megatron.algo import kl_target_scale
 
@@ -154,4 +154,23 @@ def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
         assert state["lr_scale"] == pytest.approx(scale)
     else:
         assert all("kl_probe" not in r for r in records)
-        assert state["kl_ema"] == pytest.approx(0.0, abs=1e-6)  # drift is never read
+        assert state["kl_ema"] == pytest.approx(0.0, abs=1e-6)  # drift is never read by the paper's controller
+        # ...but the monitor's step-KL measurement gives the detector the only step's KL
+        assert all(r["kl_step_max"] > 1e-6 for r in records)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_step_kl_probe_off_leaves_the_fresh_kl_and_changes_no_training(tmp_path):
+    """monitor.step_kl_probe: false takes the extra pass away; the training curve is the same either way."""
+    over = {"train.mini_batch_size": 16, "train.iterations": 3, "train.warmup_sft_steps": 2, "optim.lr": 3e-3,
+            "loss.name": "grpo"}
+    runs = {}
+    for probe in (True, False):
+        out = tmp_path / str(probe)
+        run_multirank(_probe_rank, 1, args=(str(out), {**over, "monitor.step_kl_probe": probe}), timeout=300)
+        runs[probe] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["kl_step_max"] > 1e-6 for r in runs[True])
+    assert all(r["kl_step_max"] == pytest.approx(0.0, abs=1e-6) for r in runs[False])
+    for a, b in zip(runs[True], runs[False]):
+        assert (a["reward_mean"], a["grad_norm"], a["entropy"]) == (b["reward_mean"], b["grad_norm"], b["entropy"])
