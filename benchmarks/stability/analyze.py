@@ -362,8 +362,24 @@ def machine() -> str:
         mv = version("megatron-core")
     except Exception:
         mv = "?"
-    return (f"{platform.platform()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+    return (f"{platform.platform()}, {os.cpu_count()} CPU cores ({cpu_kind()}), Python {platform.python_version()}, "
             f"torch {tv}, megatron-core {mv}")
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and the vector extensions torch's CPU kernels choose between: runs are
+    bit-reproducible on one machine, but another instruction set changes the floating-point results."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                platform.processor() or "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+    isa = [label for flag, label in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"),
+                                     ("amx_tile", "AMX")) if flag in flags]
+    return f"{name}; {', '.join(isa) or 'no AVX2'}"
 
 
 def _commands(manifest: dict) -> list[str]:

@@ -317,3 +317,11 @@ def test_a_cached_dpcc_result_made_with_other_preset_values_is_run_again(tmp_pat
     del legacy["dpcc"]
     path.write_text(json.dumps(legacy))
     assert pending_runs(grid, tmp_path) == []
+
+
+def test_the_machine_line_names_the_cpu_and_its_vector_extensions():
+    from benchmarks.stability.analyze import cpu_kind
+
+    info = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu sse2 avx2 avx512f amx_tile\n"
+    assert cpu_kind(info) == "Some Xeon; AVX2, AVX-512, AMX"
+    assert cpu_kind("model name\t: Old CPU\nflags\t: fpu sse2\n") == "Old CPU; no AVX2"
