@@ -325,3 +325,25 @@ def test_the_machine_line_names_the_cpu_and_its_vector_extensions():
     info = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu sse2 avx2 avx512f amx_tile\n"
     assert cpu_kind(info) == "Some Xeon; AVX2, AVX-512, AMX"
     assert cpu_kind("model name\t: Old CPU\nflags\t: fpu sse2\n") == "Old CPU; no AVX2"
+
+
+def test_the_lowest_collapse_target_is_also_read_against_the_baselines_only():
+    def r(method, lr, seed, collapsed):
+        return {"method": method, "lr": lr, "seed": seed, "collapsed": collapsed, "reward_after": 0.5,
+                "reward_before": 0.4, "pass1_after": 0.3}
+
+    results = []
+    for seed in range(1, 5):
+        results += [r("grpo", 2e-4, seed, False), r("dpcc", 2e-4, seed, False), r("dpcc-kt-strict", 2e-4, seed, False),
+                    r("dapo", 2e-4, seed, False), r("grpo", 2e-3, seed, True), r("dpcc", 2e-3, seed, False),
+                    r("dpcc-kt-strict", 2e-3, seed, False), r("dapo", 2e-3, seed, seed == 1),
+                    r("dpcc-no-decay", 2e-3, seed, False)]
+    lines = "\n".join(targets_lines(results, "dpcc"))
+    # a tie with its own variant: not the lowest of every method, but below every baseline
+    assert "against every other method (target: lowest): `dpcc` 0/4; dapo 1/4, dpcc-kt-strict 0/4, grpo 4/4: " \
+           "**not met**" in lines
+    assert "Against the baselines only (the issue's wording; the other DPCC variants left out): dapo 1/4, " \
+           "grpo 4/4: **met**" in lines
+    # without a variant among the methods the second reading is not printed
+    plain = "\n".join(targets_lines([x for x in results if x["method"] != "dpcc-kt-strict"], "dpcc"))
+    assert "Against the baselines only" not in plain
