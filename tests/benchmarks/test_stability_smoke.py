@@ -347,3 +347,26 @@ def test_the_lowest_collapse_target_is_also_read_against_the_baselines_only():
     # without a variant among the methods the second reading is not printed
     plain = "\n".join(targets_lines([x for x in results if x["method"] != "dpcc-kt-strict"], "dpcc"))
     assert "Against the baselines only" not in plain
+
+
+def test_ablations_are_paired_with_the_reference_and_flagged_when_they_differ():
+    from benchmarks.stability.ablations import ablation_rows, table
+
+    def r(method, lr, seed, collapsed, after):
+        return {"method": method, "lr": lr, "seed": seed, "collapsed": collapsed, "reward_after": after}
+
+    results = []
+    for s in range(1, 7):
+        results += [r("dpcc", 2e-4, s, False, 0.5), r("dpcc", 2e-3, s, False, 0.4),
+                    # removing the piece collapses every run at 2e-3: it matters
+                    r("dpcc-no-x", 2e-4, s, False, 0.5 + 0.01 * (s % 2)), r("dpcc-no-x", 2e-3, s, True, 0.1),
+                    # this one is indistinguishable
+                    r("dpcc-no-y", 2e-4, s, False, 0.5 + (0.01 if s % 2 else -0.01)),
+                    r("dpcc-no-y", 2e-3, s, False, 0.4 + (0.02 if s % 2 else -0.02))]
+    x, y = ablation_rows(results, "dpcc", ["dpcc-no-x", "dpcc-no-y"])
+    assert x["collapsed"] == (6, 0, 6) and x["discordant"] == (6, 0) and x["p"] == pytest.approx(2 / 64)
+    assert x["matters"] and not y["matters"]
+    assert y["delta"][2e-3][0] == pytest.approx(0.0) and y["delta"][2e-3][3] == 6
+    lines = table([x, y], "dpcc")
+    assert lines[2].startswith("| `dpcc-no-x` | 6/6 vs 0/6 (6 vs 0, p = 0.0312) |") and lines[2].endswith("| yes |")
+    assert lines[3].endswith("| no |")

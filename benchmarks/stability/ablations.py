@@ -1,0 +1,70 @@
+"""Each variant of a method against that method, paired on the same seeds: which pieces matter.
+
+    python -m benchmarks.stability.ablations --out runs/kt_rest [--reference dpcc] [--variants a,b,...]
+
+For every variant (default: the methods named ``<reference>-...`` in the folder) and the reference,
+on the seeds where both finished: collapses at the higher LRs (every LR but the smallest) with the
+exact paired (McNemar) p, and per LR the paired mean difference of the final greedy reward (variant
+minus reference) with its 95% t interval. A piece "matters" on a measure when the p is below 0.05
+or the interval excludes 0 (``benchmarks/stability/rest-methods.md``). Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .analyze import binom_two_sided, load_results, mean_ci95
+
+
+def ablation_rows(results: list[dict], reference: str, variants: list[str]) -> list[dict]:
+    idx = {(r["method"], r["lr"], r["seed"]): r for r in results}
+    lrs = sorted({r["lr"] for r in results})
+    higher = lrs[1:]
+    rows = []
+    for v in variants:
+        pairs = [(idx[(v, lr, s)], idx[(reference, lr, s)]) for (m, lr, s) in idx
+                 if m == v and (reference, lr, s) in idx]
+        up = [(a, b) for a, b in pairs if a["lr"] in higher]
+        only_v = sum(a["collapsed"] and not b["collapsed"] for a, b in up)
+        only_r = sum(b["collapsed"] and not a["collapsed"] for a, b in up)
+        row = {"variant": v, "collapsed": (sum(a["collapsed"] for a, _ in up), sum(b["collapsed"] for _, b in up),
+                                           len(up)),
+               "p": binom_two_sided(only_v, only_v + only_r), "discordant": (only_v, only_r), "delta": {}}
+        for lr in lrs:
+            d = [a["reward_after"] - b["reward_after"] for a, b in pairs if a["lr"] == lr]
+            row["delta"][lr] = mean_ci95(d)
+        row["matters"] = row["p"] < 0.05 or any(n > 1 and (lo > 0 or hi < 0) for _, lo, hi, n in row["delta"].values())
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], reference: str) -> list[str]:
+    lrs = sorted({lr for r in rows for lr in r["delta"]})
+    head = (f"| variant | collapsed at {', '.join(f'{x:g}' for x in lrs[1:])}: variant / `{reference}` "
+            f"(discordant, exact p) | " + " | ".join(f"Δ greedy at {lr:g} (95% CI)" for lr in lrs) + " | matters? |")
+    out = [head, "|" + "---|" * (3 + len(lrs))]
+    for r in rows:
+        kv, kr, n = r["collapsed"]
+        cells = [f"{m:+.3f} ({lo:+.3f} to {hi:+.3f})" if n > 1 else "–" for m, lo, hi, n in
+                 (r["delta"][lr] for lr in lrs)]
+        out.append(f"| `{r['variant']}` | {kv}/{n} vs {kr}/{n} ({r['discordant'][0]} vs {r['discordant'][1]}, "
+                   f"p = {r['p']:.3g}) | " + " | ".join(cells) + f" | {'yes' if r['matters'] else 'no'} |")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the runner's output directory")
+    p.add_argument("--reference", default="dpcc")
+    p.add_argument("--variants", default=None, help="comma list (default: <reference>-* in the folder)")
+    args = p.parse_args(argv)
+    ok, _ = load_results(Path(args.out))
+    variants = (args.variants.split(",") if args.variants else
+                sorted({r["method"] for r in ok if r["method"].startswith(args.reference + "-")}))
+    print("\n".join(table(ablation_rows(ok, args.reference, variants), args.reference)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
