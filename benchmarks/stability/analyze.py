@@ -460,7 +460,9 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
     paired = paired_rows(results, methods, lrs)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     pngs = plot(results, methods, lrs, summary, md_path.parent)
-    full = len(full_grid.runs()) if manifest.get("iterations", full_grid.iterations) == full_grid.iterations else None
+    same_testbed = (manifest.get("iterations", full_grid.iterations) == full_grid.iterations
+                    and manifest.get("testbed", full_grid.extra) == full_grid.extra)
+    full = len(full_grid.runs()) if same_testbed else None  # "partial" only against the full grid's own testbed
     status = (f"**Partial run: {len(results)} of the {full} runs of the full grid.**" if full and len(results) < full
               else f"{len(results)} runs.")
     target = results[0].get("target_reward")
