@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR, Grid, build_config, run_key,
-                                       run_overrides)
+                                       run_overrides, steps_per_iteration)
 from benchmarks.stability.run import ensure_warm_start, train_once
 
 from .labels import label_stream
@@ -155,8 +155,6 @@ def trim(records: list[dict]) -> list[dict]:
 
 
 STABILITY_FAMILY = "stab-grid"
-#: Samples of one iteration of the testbed (8 prompts x 8 samples).
-TESTBED_SAMPLES = 64
 _RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)$")
 
 
@@ -166,10 +164,8 @@ def _model(testbed: dict) -> dict:
 
 def grid_family(testbed: dict) -> str:
     """The family name of a stability grid's runs: its task, difficulty and optimizer steps per iteration."""
-    samples = TESTBED_SAMPLES
-    steps = samples // testbed.get("train.mini_batch_size", samples // 2)
     return (f"grid-{testbed.get('data.synthetic_task', 'addition')}{testbed.get('data.synthetic_digits', 1)}"
-            f"-{steps}step")
+            f"-{steps_per_iteration(testbed)}step")
 
 
 def stability_runs(folder: Path, any_testbed: bool = False) -> list[tuple[str, float, int, Path]]:

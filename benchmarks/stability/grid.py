@@ -191,13 +191,16 @@ def run_overrides(grid: Grid, method: str, lr: float, seed: int) -> dict:
     return {k: early_phase_steps(grid) if v == EARLY_PHASE_STEPS else v for k, v in out.items()}
 
 
+def steps_per_iteration(extra: dict) -> int:
+    """Optimizer steps per RL iteration of a testbed (its overrides over BASE_CONFIG): samples / mini-batch."""
+    r = BASE_CONFIG["rollout"]
+    mini = extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
+    return extra.get("rollout.prompts_per_iteration", r["prompts_per_iteration"]) * r["group_size"] // mini
+
+
 def early_phase_steps(grid: Grid) -> int:
     """Optimizer steps of DPCC's default early phase (early_phase_fraction 0.2) in this grid."""
-    r = BASE_CONFIG["rollout"]
-    mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
-    prompts = grid.extra.get("rollout.prompts_per_iteration", r["prompts_per_iteration"])
-    steps_per_iteration = prompts * r["group_size"] // mini
-    return max(1, round(0.2 * grid.iterations * steps_per_iteration))
+    return max(1, round(0.2 * grid.iterations * steps_per_iteration(grid.extra)))
 
 
 def run_key(method: str, lr: float, seed: int, sets: dict | None = None) -> str:

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .grid import BASE_CONFIG, GRIDS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, testbed
+from .grid import (GRIDS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, steps_per_iteration,
+                   testbed)
 
 RESULT_VERSION = 1
 
@@ -224,10 +225,7 @@ def select_grid(args) -> Grid:
         task = args.task or grid.extra.get("data.synthetic_task", "addition")
         digits = args.digits or (grid.extra.get("data.synthetic_digits") if not args.task else None) \
             or TASKS[task]["digits"]
-        r = BASE_CONFIG["rollout"]
-        mini = grid.extra.get("train.mini_batch_size", BASE_CONFIG["train"]["mini_batch_size"])
-        old_samples = grid.extra.get("rollout.prompts_per_iteration", r["prompts_per_iteration"]) * r["group_size"]
-        steps = args.steps_per_iteration or old_samples // mini
+        steps = args.steps_per_iteration or steps_per_iteration(grid.extra)
         prompts = prompts or grid.extra.get("rollout.prompts_per_iteration")
         grid = replace(grid, extra={**grid.extra, **testbed(task, digits, steps, prompts)})
     if getattr(args, "engine", None) == "vllm":  # megatron is the default: cached results stay valid

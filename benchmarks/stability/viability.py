@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 from .analyze import _degraded, load_results
+from .measures import moving_mean
 
 
-def _best_moving_mean(curve: list[float], window: int = 3) -> float:
-    means = [statistics.fmean(curve[i - window + 1:i + 1]) for i in range(window - 1, len(curve))]
+def _best_moving_mean(curve: list[float]) -> float:
+    means = [v for v in moving_mean(curve) if math.isfinite(v)]  # the "reached target" measure's windows
     return max(means) if means else float("nan")
 
 

@@ -202,11 +202,11 @@ class RunContext:
         return stats or {}
 
     def iteration_record(self, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps,
-                         controller, seconds) -> dict:
+                         controller, seconds, step_kl_after=None) -> dict:
         from .metrics import build_record
 
         return build_record(self, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps,
-                            controller, seconds)
+                            controller, seconds, step_kl_after)
 
     def monitor_exchange(self, record: dict) -> Optional[tuple]:
         """Rank 0 runs the local detector, sends the record and polls the sidecar's advice.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -53,7 +54,9 @@ def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
 
 
 def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats, steps, controller,
-                 seconds) -> dict:
+                 seconds, step_kl_after: Optional[float] = None) -> dict:
+    """The iteration's record. ``step_kl_after``: with one optimizer step per iteration, that step's KL
+    measured after it (``monitor.step_kl_probe``); its in-step KL is the fresh ~0 one."""
     from ..monitor.metrics import entropy_fraction, response_metrics
 
     cfg = ctx.cfg
@@ -95,6 +98,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     rec["reward_base_std"] = _f(rewards.base.std(correction=0))
     rec["zero_var_frac_base"] = _f((base_groups.amax(-1) == base_groups.amin(-1)).float().mean())
     step_kls = [s.metrics[f"kl_{est}"] for s in usable if f"kl_{est}" in s.metrics]
+    if step_kl_after is not None and math.isfinite(step_kl_after):
+        step_kls.append(step_kl_after)
     rec["kl_step_max"] = _f(max(step_kls)) if step_kls else None
     rec.update({k.replace("reward/", "reward_"): _f(v) for k, v in rewards.metrics.items()
                 if isinstance(v, (int, float))})

@@ -12,7 +12,6 @@ Every rank runs :func:`train`. One iteration:
 """
 from __future__ import annotations
 
-import math
 import signal
 import time
 
@@ -150,13 +149,12 @@ def train(cfg: JobConfig) -> dict:
                                    observe=dpcc_probe)
         release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
-                                      step_metrics, controller, time.time() - t0)
+                                      step_metrics, controller, time.time() - t0,
+                                      step_kl_after=probe_kl if one_step else None)
         record.update(samples.metrics)
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
         if probe_kl is not None and dpcc_probe:  # DPCC's controller input (after several steps, not one step's KL)
             record["kl_probe"] = probe_kl
-        if probe_kl is not None and one_step and math.isfinite(probe_kl):  # the only step's own KL
-            record["kl_step_max"] = probe_kl
         log.line(record)
         advice = ctx.monitor_exchange(record)
         action = advice[0] if advice else None
