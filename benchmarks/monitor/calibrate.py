@@ -1,15 +1,23 @@
-"""Calibrate the collapse detector on the DEVELOPMENT part of the labelled set (never the held-out).
+"""Calibrate the collapse detector on DEVELOPMENT streams (never a held-out part not yet read).
 
     python -m benchmarks.monitor.calibrate --labelled benchmarks/monitor/labelled [--top 15]
+    python -m benchmarks.monitor.calibrate --read benchmarks/monitor/labelled --read DIR ... [--grid one-step --base JSON]
 
-Replays every dev stream through the product's detector (``monitor/evaluate.py``) for each
-setting of a small grid of detector parameters (:data:`GRID`, on top of the shipped defaults),
-prints the scores of the best settings and the documented defaults from before the calibration
-(:data:`BEFORE`), and the setting it would choose (:func:`rank`): among those with at most 2
-warnings per 100 healthy dev iterations, the largest Youden index J = recall - the share of
+Replays every development stream through the product's detector (``monitor/evaluate.py``) for each
+setting of a small grid of detector parameters (:data:`GRIDS`, on top of the shipped defaults and
+``--base``), prints the scores of the best settings and the documented defaults from before the
+calibration (:data:`BEFORE`), and the setting it would choose (:func:`rank`): among those with at
+most 2 warnings per 100 healthy dev iterations, the largest Youden index J = recall - the share of
 healthy streams with a confirmed critical alert, then a median lead of at least 3 iterations, then
-the most cautious. There is no option to read the held-out part here: report that with
-``dpcc-megatron monitor evaluate --labelled DIR``.
+the most cautious. ``--labelled DIR`` reads DIR's ``dev`` split; ``--read DIR`` reads every stream
+of DIR as development: a part that was read once as held out and has joined development. The
+streams of all folders are pooled. There is no option to read a held-out part here: report that
+with ``dpcc-megatron monitor evaluate --labelled DIR``.
+
+Grids: ``main`` (the band, confirmation, patience, mastered gain and the KL thresholds) and
+``one-step`` (``kl_one_step_factor``, the KL thresholds' factor for one-step iterations, searched on
+streams of one optimizer step per iteration with the after-step KL; ``--base`` holds the ``main``
+choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``.
 
 Why J and not "no healthy critical, then recall" (the first calibration's rule): on the dev part,
 which since the second calibration holds the stability grid's aggressive-LR runs, the runs at
@@ -26,7 +34,7 @@ import json
 import sys
 
 from dpcc_megatron.config.monitor import MonitorConfig
-from dpcc_megatron.monitor.evaluate import evaluate
+from dpcc_megatron.monitor.evaluate import LabelError, read_labels, read_stream, replay, score
 
 #: The detector's documented example thresholds before issue 21's calibration (band calibrated from
 #: 20 healthy steps, every low-entropy stretch a warning unless a template collapse, grad_spike 5x).
@@ -36,37 +44,54 @@ BEFORE = {"entropy_band_relative": None, "mastered_reward_gain": None, "kl_criti
 #: The first calibration's defaults (chosen on the first, 19-stream dev part; no sustained-KL rule).
 FIRST = {"kl_critical_threshold": 1.0, "kl_sustained_threshold": None}
 
-#: The parameters searched, each with the values tried.
-GRID = {
-    "entropy_band_relative": [(0.4, 2.0), (0.5, 1.6), (0.6, 1.4)],
-    "collapse_confirm_steps": [1, 2],
-    "low_entropy_patience": [1, 3],
-    "mastered_reward_gain": [0.05, 0.1],
-    "kl_critical_threshold": [None, 0.5, 1.0, 2.0],
-    "kl_sustained": [None, (0.1, 2), (0.1, 3), (0.2, 2), (0.2, 3), (0.3, 3)],
+#: The parameters searched, each with the values tried, per grid.
+GRIDS = {
+    "main": {
+        "entropy_band_relative": [(0.4, 2.0), (0.5, 1.6), (0.6, 1.4)],
+        "collapse_confirm_steps": [1, 2],
+        "low_entropy_patience": [1, 3],
+        "mastered_reward_gain": [0.05, 0.1],
+        "kl_critical_threshold": [None, 0.5, 1.0, 2.0],
+        "kl_sustained": [None, (0.1, 2), (0.1, 3), (0.2, 2), (0.2, 3), (0.3, 3)],
+    },
+    "one-step": {"kl_one_step_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]},
 }
+GRID = GRIDS["main"]
 
 
 #: The held-out target on the median lead (iterations before the reward halves).
 LEAD_TARGET = 3
 
 
-def settings():
-    keys = list(GRID)
-    for values in itertools.product(*(GRID[k] for k in keys)):
+def settings(grid: dict = GRID):
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
         ov = dict(zip(keys, values))
-        sustained = ov.pop("kl_sustained")  # (threshold, window) searched together
-        ov["kl_sustained_threshold"] = sustained[0] if sustained else None
-        if sustained:
-            ov["kl_sustained_window"] = sustained[1]
+        if "kl_sustained" in ov:
+            sustained = ov.pop("kl_sustained")  # (threshold, window) searched together
+            ov["kl_sustained_threshold"] = sustained[0] if sustained else None
+            if sustained:
+                ov["kl_sustained_window"] = sustained[1]
         yield ov
 
 
-def score_of(folder, overrides: dict) -> dict:
+def load_streams(labelled=(), read=()) -> list[tuple[str, str, list[dict]]]:
+    """(name, label, records) of the dev split of each ``labelled`` folder and of every stream of each
+    ``read`` folder, parsed once."""
+    out = []
+    for folders, split in ((labelled, "dev"), (read, None)):
+        for folder in folders:
+            labels = [x for x in read_labels(folder) if split is None or x["split"] == split]
+            if not labels:
+                raise LabelError(f"{folder}: no streams in split {split!r}")
+            out += [(f"{folder}/{x['stream']}", x["label"], read_stream(x["path"])) for x in labels]
+    return out
+
+
+def score_of(streams, overrides: dict) -> dict:
     cfg = dataclasses.replace(MonitorConfig(), **overrides)
     cfg.validate()
-    _, s = evaluate(folder, cfg, "dev")
-    return s
+    return score([replay(records, cfg, name, label) for name, label, records in streams])
 
 
 def feasible(s: dict) -> bool:
@@ -92,24 +117,38 @@ def rank(row) -> tuple:
     lead = s["median_lead_iterations"]
     return (round(youden(s), 3), lead is not None and lead >= LEAD_TARGET, ov.get("collapse_confirm_steps", 0),
             ov.get("low_entropy_patience", 0), hi - lo, kl, sus, ov.get("kl_sustained_window", 0),
-            ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
+            ov.get("kl_one_step_factor", 0), ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
             -(s["warnings_per_100_healthy"] or 0.0), lead or -99)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--labelled", required=True, metavar="DIR")
+    p.add_argument("--labelled", action="append", default=[], metavar="DIR", help="its dev split (repeatable)")
+    p.add_argument("--read", action="append", default=[], metavar="DIR",
+                   help="all its streams, a part read once as held out (repeatable)")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="main")
+    p.add_argument("--base", default="{}", metavar="JSON", help="overrides every setting starts from")
     p.add_argument("--top", type=int, default=12, help="rows of the best settings to print")
     args = p.parse_args(argv)
+    if not args.labelled and not args.read:
+        p.error("give at least one --labelled or --read folder")
     known = {f.name for f in dataclasses.fields(MonitorConfig)}
+    try:
+        base = json.loads(args.base)
+    except ValueError as e:
+        p.error(f"--base: not JSON: {e}")
+    if not isinstance(base, dict) or set(base) - known:
+        p.error(f"--base: a JSON object of MonitorConfig fields; unknown: {sorted(set(base) - known)}")
+    base = {k: tuple(v) if isinstance(v, list) else v for k, v in base.items()}
+    streams = load_streams(args.labelled, args.read)
     before = {k: v for k, v in BEFORE.items() if k in known}
-    rows = [("before", before, score_of(args.labelled, before)),
-            ("first", FIRST, score_of(args.labelled, FIRST)),
-            ("defaults", {}, score_of(args.labelled, {}))]
-    for ov in settings():
-        rows.append(("grid", ov, score_of(args.labelled, ov)))
+    rows = [("before", before, score_of(streams, before)),
+            ("first", FIRST, score_of(streams, FIRST)),
+            ("defaults", {}, score_of(streams, {}))]
+    for ov in settings(GRIDS[args.grid]):
+        rows.append(("grid", {**base, **ov}, score_of(streams, {**base, **ov})))
     ok = sorted((r for r in rows if r[0] == "grid" and feasible(r[2])), key=rank, reverse=True)
-    print(f"{len(rows) - 3} settings tried on the dev split, {len(ok)} meet <= 2 warnings/100")
+    print(f"{len(streams)} development streams; {len(rows) - 3} settings tried, {len(ok)} meet <= 2 warnings/100")
     fmt = "{:9s} {:>6s} {:>6s} {:>9s} {:>5s} {:>8s} {:>9s} {:>7s}  {}"
     print(fmt.format("", "J", "recall", "precision", "lead", "h.crit", "h.alarmed", "warn%", "overrides"))
     show = lambda v: "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731

@@ -14,7 +14,7 @@ on the reward and entropy curves, never by hand), trimmed to the fields the dete
 written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
 ``dpcc-megatron monitor evaluate --labelled DIR``.
 
-The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 45-46 are the
+The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 47-48 are the
 held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
 - the even seeds 2-6 with the first calibration; seeds 41-42 were then added to every family;
 - seeds 41-42 with the second; then the trainer stopped folding DPCC's drift probe into
@@ -22,7 +22,10 @@ held-out part, every other seed is ``dev``. Each held-out part is read once, the
   trained before the third calibration;
 - seeds 43-44 with the third; then the labelling rule gained its ``degraded`` label, the ``dpcc``
   default changed (the KL-target LR rule), every stream was trained again, and seeds 45-46 were added
-  to every family before the fourth calibration.
+  to every family before the fourth calibration;
+- seeds 45-46 with the fourth (``labelled/`` keeps the split it was read with: the fifth calibration
+  reads all of it as development, see ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were
+  then added to every family, written with ``--seeds 47,48`` to ``labelled-fifth/``.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -45,7 +48,7 @@ from .labels import label_stream
 #: The fields of a trainer record the detector (and the labelling rule) reads; the rest is dropped.
 KEEP = ("iteration", "entropy", "kl_old_new", "kl_step_max", "kl_estimator", "kl_ref", "mismatch_kl",
         "repetition_rate", "longest_repeat", "grad_norm", "reward_mean", "reward_std", "zero_var_frac",
-        "reward_base_mean", "reward_base_std", "zero_var_frac_base")
+        "reward_base_mean", "reward_base_std", "zero_var_frac_base", "optimizer_steps")
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,9 @@ class Family:
 #: The stability grid whose testbed (model, task, warm-start) every stream uses.
 TESTBED = GRIDS["small"]
 #: Seeds of the held-out part (see the module docstring); each family runs them.
-HELDOUT_SEEDS = (45, 46)
+HELDOUT_SEEDS = (47, 48)
 #: Earlier held-out parts, read once each, now development seeds of every family.
-READ_SEEDS = (41, 42, 43, 44)
+READ_SEEDS = (41, 42, 43, 44, 45, 46)
 
 
 def _steps(iterations: int) -> int:
@@ -111,7 +114,7 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def split_of(seed: int) -> str:
-    """The split, fixed before tuning: seeds 45-46 are held out, all others develop the detector."""
+    """The split, fixed before tuning: seeds 47-48 are held out, all others develop the detector."""
     return "heldout" if seed in HELDOUT_SEEDS else "dev"
 
 
@@ -158,26 +161,20 @@ STABILITY_FAMILY = "stab-grid"
 _RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)$")
 
 
-def _model(testbed: dict) -> dict:
-    return {k: v for k, v in testbed.items() if k.startswith("model.")}
-
-
-def grid_family(testbed: dict) -> str:
-    """The family name of a stability grid's runs: its task, difficulty and optimizer steps per iteration."""
+def grid_family(testbed: dict, layers: Optional[int] = None) -> str:
+    """The family name of a stability grid's runs: its task, difficulty and optimizer steps per iteration,
+    and its model's layers when they are not this set's (``layers``)."""
+    own = GRIDS["small"].extra.get("model.num_layers")
     return (f"grid-{testbed.get('data.synthetic_task', 'addition')}{testbed.get('data.synthetic_digits', 1)}"
-            f"-{steps_per_iteration(testbed)}step")
+            f"-{steps_per_iteration(testbed)}step" + (f"-{layers}layer" if layers not in (None, own) else ""))
 
 
 def stability_runs(folder: Path, any_testbed: bool = False) -> list[tuple[str, float, int, Path]]:
     """(method, lr, seed, run dir) of every finished run of a stability-runner output folder whose
     testbed is this set's (:data:`TESTBED`, read from the folder's manifest.json); with ``any_testbed``,
-    any task, difficulty and steps per iteration of this set's model."""
+    any task, difficulty, steps per iteration and model."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    testbed = manifest.get("testbed") or {}
-    if any_testbed:
-        if _model(testbed) != _model(TESTBED.extra):
-            raise SystemExit(f"{folder}: its model {_model(testbed)} is not this set's {_model(TESTBED.extra)}")
-    elif testbed != TESTBED.extra:
+    if not any_testbed and manifest.get("testbed") != TESTBED.extra:
         raise SystemExit(f"{folder}: its testbed {manifest.get('testbed')} is not this set's {TESTBED.extra}")
     out = []
     for run_dir in sorted((folder / "runs").iterdir()):
@@ -187,8 +184,22 @@ def stability_runs(folder: Path, any_testbed: bool = False) -> list[tuple[str, f
     return out
 
 
-def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None, **info) -> Optional[dict]:
+def grid_of(folder: Path) -> tuple[str, dict, str]:
+    """A stability-runner output folder's family name, testbed and grid name (from its manifest)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    testbed = manifest.get("testbed") or {}
+    layers = (manifest.get("warm_start") or {}).get("model", {}).get("num_layers")
+    grid = re.search(r"--grid (\S+)", (manifest.get("commands") or [""])[0])
+    return grid_family(testbed, layers), testbed, grid[1] if grid else "small"
+
+
+def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None, steps: Optional[int] = None,
+              **info) -> Optional[dict]:
+    """Trim, label and write one run's stream. ``steps``: the testbed's optimizer steps per iteration, written
+    as ``optimizer_steps`` into records of runs made before the trainer recorded it."""
     records = trim(read_metrics(run_dir))
+    if steps is not None:
+        records = [r if "optimizer_steps" in r else {**r, "optimizer_steps": steps} for r in records]
     if not records:
         return None
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -201,10 +212,10 @@ def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None,
             "stop_reason": summary.get("stop_reason", ""), **info}
 
 
-def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_grids=()) -> list[dict]:
+def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_grids=(), dev_grids=()) -> list[dict]:
     """Label every finished run of ``families`` (and of the stability-runner folders ``stability``, split
-    by seed, and ``heldout_grids``, any testbed of this set's model, all held out) and write DIR/streams +
-    DIR/labels.jsonl."""
+    by seed, and ``heldout_grids`` / ``dev_grids``, any testbed, all held out / all dev) and write
+    DIR/streams + DIR/labels.jsonl."""
     (dest / "streams").mkdir(parents=True, exist_ok=True)
     labels = []
     for fam, seed in planned(families):
@@ -218,13 +229,14 @@ def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_gr
             name = f"{STABILITY_FAMILY}__{run_key(method, lr, seed)}"
             labels.append(_labelled(run_dir, dest, name, family=STABILITY_FAMILY, method=method, lr=lr, seed=seed,
                                     source="benchmarks/stability/run.py --grid small"))
-    for folder in heldout_grids:
-        testbed = json.loads((Path(folder) / "manifest.json").read_text()).get("testbed") or {}
-        family = grid_family(testbed)
-        for method, lr, seed, run_dir in stability_runs(Path(folder), any_testbed=True):
-            name = f"{family}__{run_key(method, lr, seed)}"
-            labels.append(_labelled(run_dir, dest, name, split="heldout", family=family, method=method, lr=lr,
-                                    seed=seed, source=f"benchmarks/stability/run.py --grid small ({family})"))
+    for split, folders in (("heldout", heldout_grids), ("dev", dev_grids)):
+        for folder in folders:
+            family, testbed, grid = grid_of(Path(folder))
+            for method, lr, seed, run_dir in stability_runs(Path(folder), any_testbed=True):
+                name = f"{family}__{run_key(method, lr, seed)}"
+                labels.append(_labelled(run_dir, dest, name, split=split, steps=steps_per_iteration(testbed),
+                                        family=family, method=method, lr=lr, seed=seed,
+                                        source=f"benchmarks/stability/run.py --grid {grid} ({family})"))
     labels = [x for x in labels if x is not None]
     (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
     return labels
@@ -239,13 +251,17 @@ def main(argv=None) -> int:
     p.add_argument("--budget-minutes", type=float, default=0, help="start no new run after this (0: no limit)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before one run is killed")
     p.add_argument("--no-train", action="store_true", help="only label and write what is already trained")
+    p.add_argument("--seeds", default=None, help="comma list: only the families' runs of these seeds (default: all)")
     p.add_argument("--stability", action="append", default=[], metavar="DIR",
                    help="also label and write the runs of this `benchmarks.stability.run --grid small` output "
                         "folder (family stab-grid; split by seed like the rest)")
     p.add_argument("--heldout-grid", action="append", default=[], metavar="DIR",
                    help="also label and write every run of this stability-runner output folder (any task, "
-                        "difficulty and steps per iteration of this set's model) as held out, family "
-                        "grid-<task><digits>-<steps>step (benchmarks/monitor/heldout-grids.md)")
+                        "difficulty, steps per iteration and model) as held out, family "
+                        "grid-<task><digits>-<steps>step[-<layers>layer] (benchmarks/monitor/heldout-grids.md)")
+    p.add_argument("--dev-grid", action="append", default=[], metavar="DIR",
+                   help="the same as --heldout-grid, with every run in the dev split (a grid that was read once "
+                        "as held out, or one no held-out reading uses)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -253,6 +269,12 @@ def main(argv=None) -> int:
     families = () if wanted == {"none"} else tuple(f for f in FAMILIES if wanted is None or f.name in wanted)
     if wanted and wanted != {"none"} and not families:
         p.error(f"--families: none of {sorted(wanted)}; known: {sorted({f.name for f in FAMILIES})}")
+    if args.seeds:
+        try:
+            only = {int(x) for x in args.seeds.split(",")}
+        except ValueError:
+            p.error(f"--seeds: a comma list of integers, got {args.seeds!r}")
+        families = tuple(replace(f, seeds=tuple(s for s in f.seeds if s in only)) for f in families)
     out = Path(args.out).resolve()
     failures = 0
     if not args.no_train:
@@ -279,7 +301,7 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # the planned order, args.jobs at a time
             failures = sum(not ok for ok in pool.map(work, enumerate(todo, 1)))
     if args.write:
-        labels = write_set(out, Path(args.write), families, args.stability, args.heldout_grid)
+        labels = write_set(out, Path(args.write), families, args.stability, args.heldout_grid, args.dev_grid)
         n = {k: sum(x["label"] == k for x in labels) for k in ("collapse", "healthy", "degraded")}
         print(f"[monitor-set] wrote {len(labels)} streams to {args.write} ({n['collapse']} collapse, "
               f"{n['healthy']} healthy, {n['degraded']} degraded)", flush=True)

@@ -130,6 +130,12 @@ class MonitorConfig:
     the trainer measures that step's KL(pi_old || pi_new) after it, with one forward-only micro-batch of
     the batch, and records it as `kl_step_max` for the KL rules (any loss; DPCC's drift probe, when on,
     is the same pass). False: no extra pass, and the KL rules have no reading in that setting."""
+    kl_one_step_factor: float = 1.0
+    """With one optimizer step in an iteration (the record's `optimizer_steps` is 1), `kl_step_max` is the
+    after-step reading of `step_kl_probe`, taken on samples the step trained on: a larger quantity than the
+    in-step KL of a later step, which is read on samples that step has not trained on. The KL thresholds
+    (`kl_threshold`, `kl_critical_threshold`, `kl_sustained_threshold`) are multiplied by this factor for
+    such iterations. 1: the same thresholds for both readings."""
     kl_ref_threshold: Optional[float] = None
     """kl_drift on KL to the reference, same window; None disables."""
     mismatch_kl_threshold: Optional[float] = None
@@ -240,6 +246,7 @@ class MonitorConfig:
               f"must be >= 0, got {self.longest_repeat_threshold}")
         check(self.kl_threshold > 0, "kl_threshold", f"must be > 0, got {self.kl_threshold}")
         check(self.kl_window >= 1, "kl_window", f"must be >= 1, got {self.kl_window}")
+        check(self.kl_one_step_factor >= 1, "kl_one_step_factor", f"must be >= 1, got {self.kl_one_step_factor}")
         check(self.kl_sustained_window >= 1, "kl_sustained_window", f"must be >= 1, got {self.kl_sustained_window}")
         for name in ("kl_ref_threshold", "mismatch_kl_threshold", "kl_critical_threshold", "kl_sustained_threshold"):
             value = getattr(self, name)

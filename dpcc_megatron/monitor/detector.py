@@ -16,7 +16,9 @@ Rules (names are stable; see docs/monitor.md for defaults):
   (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named. Critical when
   one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update), or when it stays
   above ``kl_sustained_threshold`` for ``kl_sustained_window`` consecutive iterations (a step
-  size that drifts).
+  size that drifts). In an iteration of one optimizer step (``optimizer_steps`` 1) the KL read
+  is the after-step probe's, and the three KL thresholds are multiplied by
+  ``kl_one_step_factor``.
 
 The entropy band is ``entropy_band`` when set, else ``entropy_band_relative`` x the first
 record's entropy (the starting policy's), else calibrated from the first
@@ -420,21 +422,28 @@ class CollapseDetector:
     def _rule_kl(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
         est = self.kl_estimator or "unspecified"
-        hit_new = self._consecutive(rec, "kl_old_new", c.kl_threshold)
+        step = "kl_old_new" in self._judged
+        # One optimizer step: kl_step_max is the after-step reading, a larger quantity (kl_one_step_factor).
+        factor = c.kl_one_step_factor if step and rec.get("optimizer_steps") == 1 else 1.0
+        scaled = lambda t: None if t is None else t * factor  # noqa: E731
+        kl_thr = c.kl_threshold * factor
+        hit_new = self._consecutive(rec, "kl_old_new", kl_thr)
         hit_ref = self._consecutive(rec, "kl_ref", c.kl_ref_threshold)
-        crit = c.kl_critical_threshold
+        crit = scaled(c.kl_critical_threshold)
         kl = rec.get("kl_old_new")
         runaway = crit is not None and is_finite(kl) and kl > crit
-        sus, sus_n = c.kl_sustained_threshold, c.kl_sustained_window
+        sus, sus_n = scaled(c.kl_sustained_threshold), c.kl_sustained_window
         if sus is not None and is_finite(kl):
             self._counters["kl_sustained"] = self._counters["kl_sustained"] + 1 if kl > sus else 0
         sustained = sus is not None and self._counters["kl_sustained"] >= sus_n
         if not (hit_new or hit_ref or runaway or sustained):
             return None
-        step = "kl_old_new" in self._judged
         what_new = "largest per-step KL(pi_old||pi_new) (kl_step_max)" if step else "KL(pi_old||pi_new)"
+        if factor != 1.0:
+            what_new = f"after-step KL of the only optimizer step (kl_step_max, thresholds x{factor:g} kl_one_step_factor)"
         metric_new = "kl_step_max" if step else "kl_old_new"
-        details = {"estimator": est, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref}
+        details = {"estimator": est, "window": c.kl_window, "kl_ref_also": hit_new and hit_ref,
+                   "threshold_factor": factor}
         if runaway:
             msg = (f"{what_new} [estimator {est}] {kl:.4g} > {crit:g} (kl_critical_threshold) in one iteration: "
                    f"a runaway update")
@@ -445,7 +454,7 @@ class CollapseDetector:
                    f"{self._counters['kl_sustained']} consecutive iterations, latest {kl:.4g}: the step size drifts")
             details.update(threshold=sus, window=sus_n, judged_on=metric_new)
             return _Hit("critical", msg, metric_new, self._window("kl_old_new", sus_n), details)
-        key, thr, what = (("kl_old_new", c.kl_threshold, what_new) if hit_new
+        key, thr, what = (("kl_old_new", kl_thr, what_new) if hit_new
                           else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "
                f"(window {c.kl_window}), latest {self._hist[key][-1][1]:.4g}")

@@ -42,6 +42,7 @@ RECORD_FIELDS: dict[str, str] = {
     "reward_base_mean": "rule-track (base) reward mean",
     "reward_base_std": "rule-track reward standard deviation (the detector judges reward collapse on it)",
     "zero_var_frac_base": "fraction of groups whose rule-track rewards are all equal",
+    "optimizer_steps": "optimizer steps of the iteration (taken or skipped); with 1, kl_step_max is the after-step reading and the KL thresholds scale by monitor.kl_one_step_factor",
     "kl_step_max": "largest per-step KL(pi_old || pi_new) of the iteration, measured in each step's forward, or with one step per iteration after it (monitor.step_kl_probe); the detector's kl_drift reads it",
     "kl_probe": "DPCC drift probe: KL(pi_old || pi_new) after the iteration's last step (loss.dpcc.drift_probe); the controller reads it, the detector does not",
     "ds_rounds": "dynamic sampling: sampling rounds this iteration",

@@ -85,6 +85,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "steps_taken": ctx.counters["steps_taken"],
         "steps_skipped": ctx.counters["steps_skipped"],
         "steps_nonfinite": len(steps) - len(usable),
+        "optimizer_steps": len(steps),
         "update_frequency": len(taken) / max(len(steps), 1),
         "zero_var_frac": _f(adv_metrics.get("zero_variance_frac", 0.0)),
         "response_len": sum(len(r) for r in rollouts.response_ids) / max(len(rollouts.response_ids), 1),

@@ -14,6 +14,8 @@ from dpcc_megatron.monitor.evaluate import read_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELLED = ROOT / "benchmarks" / "monitor" / "labelled"
+#: Committed parts made from stability-runner folders (each read once as held out, or development only).
+GRID_SETS = ("labelled-grids", "labelled-onestep", "labelled-deep")
 KEYS = ("recall", "precision", "median_lead_iterations", "healthy_critical", "warnings_per_100_healthy")
 
 
@@ -76,29 +78,42 @@ def test_entropy_clause_of_the_labelling_rule():
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
-    # held-out parts already read (41-42, 43-44) are development seeds now
-    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44, 45, 46)] == ["dev"] * 8 + ["heldout"] * 2
+    # held-out parts already read (41-42, 43-44, 45-46) are development seeds now
+    assert [split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44, 45, 46, 47, 48)] == ["dev"] * 10 + ["heldout"] * 2
     # every family in both parts
     assert all(set(f.seeds) - set(HELDOUT_SEEDS) and set(f.seeds) >= set(HELDOUT_SEEDS) for f in FAMILIES)
     rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
-           "kl_estimator": "k3"}
-    assert trim([rec]) == [{"iteration": 3, "entropy": 0.12346, "kl_step_max": 0.5, "kl_estimator": "k3"}]
+           "kl_estimator": "k3", "optimizer_steps": 1}
+    assert trim([rec]) == [{"iteration": 3, "entropy": 0.12346, "kl_step_max": 0.5, "kl_estimator": "k3",
+                            "optimizer_steps": 1}]
+
+
+def _relabel_matches(x):
+    records = [json.loads(line) for line in x["path"].read_text().splitlines() if line.strip()]
+    # the rule, re-applied to the committed stream and its greedy rewards
+    again = label_stream(records, x["stop_reason"], greedy=(x["greedy_before"], x["greedy_after"]))
+    assert (again["label"], again["onset"], again["direction"]) == (x["label"], x["onset"], x["direction"]), x["stream"]
+    return records
 
 
 def test_committed_set_matches_its_split_rule_and_labels():
     labels = read_labels(LABELLED)
     assert len(labels) >= 30
-    assert {x["split"] for x in labels} == {"dev", "heldout"}
-    for x in labels:
-        assert x["split"] == split_of(x["seed"]), x["stream"]
-        records = [json.loads(line) for line in x["path"].read_text().splitlines() if line.strip()]
-        # the rule, re-applied to the committed stream and its greedy rewards
-        again = label_stream(records, x["stop_reason"], greedy=(x["greedy_before"], x["greedy_after"]))
-        assert (again["label"], again["onset"], again["direction"]) == (x["label"], x["onset"], x["direction"])
-    for split in ("dev", "heldout"):
-        part = [x for x in labels if x["split"] == split]
-        assert any(x["label"] == "collapse" for x in part) and any(x["label"] == "healthy" for x in part)
+    for x in labels:  # seeds 45-46, the fourth round's held-out part, joined dev once read
+        assert x["split"] == split_of(x["seed"]) == "dev", x["stream"]
+        _relabel_matches(x)
+    assert any(x["label"] == "collapse" for x in labels) and any(x["label"] == "healthy" for x in labels)
     assert any(x["direction"] == "high" for x in labels)
+
+
+@pytest.mark.parametrize("name", GRID_SETS)
+def test_committed_grid_sets_match_their_labels_and_steps(name):
+    labels = read_labels(LABELLED.parent / name)
+    assert len(labels) >= 100 and {x["label"] for x in labels} == {"collapse", "healthy", "degraded"}
+    for x in labels:
+        records = _relabel_matches(x)
+        steps = int(x["family"].split("-")[2].removesuffix("step"))  # grid-<task><digits>-<N>step[-<L>layer]
+        assert all(r["optimizer_steps"] == steps for r in records), x["stream"]
 
 
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
@@ -112,15 +127,15 @@ def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
 def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     stab = tmp_path / "small"
     _fake_run(stab, "grpo__lr0.002__s9", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.0002__s45", [0.3] * 20, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.002__s45", [0.3] * 20, [0.8] * 20, greedy=(0.3, 0.2))
+    _fake_run(stab, "dpcc__lr0.0002__s47", [0.3] * 20, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.002__s47", [0.3] * 20, [0.8] * 20, greedy=(0.3, 0.2))
     (stab / "runs" / "not-a-run").mkdir()
     (stab / "manifest.json").write_text(json.dumps({"testbed": TESTBED.extra}))
-    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 45), ("dpcc", 0.002, 45), ("grpo", 0.002, 9)]
+    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 47), ("dpcc", 0.002, 47), ("grpo", 0.002, 9)]
     labels = write_set(tmp_path / "set", tmp_path / "out", families=(), stability=[stab])
     got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
-    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 45, "heldout", "healthy"),
-                   ("stab-grid", "dpcc", 45, "heldout", "degraded")}
+    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 47, "heldout", "healthy"),
+                   ("stab-grid", "dpcc", 47, "heldout", "degraded")}
     assert len(read_labels(tmp_path / "out")) == 3  # a valid labelled set
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
@@ -145,10 +160,16 @@ def test_heldout_grids_of_other_testbeds_join_as_held_out_with_their_family(tmp_
     assert {x["stream"] for x in read_labels(tmp_path / "out")} == {
         "streams/grid-sorting3-1step__grpo__lr0.002__s301.jsonl",
         "streams/grid-sorting3-1step__dpcc-kt-strict__lr0.0002__s301.jsonl"}
-    # another model is refused even as a held-out grid
-    (sort1 / "manifest.json").write_text(json.dumps({"testbed": {**model, "model.num_layers": 4}}))
-    with pytest.raises(SystemExit, match="model"):
-        write_set(tmp_path / "set", tmp_path / "out2", families=(), heldout_grids=[sort1])
+    # the records of runs made before the trainer wrote optimizer_steps get the testbed's
+    for x in read_labels(tmp_path / "out"):
+        assert {json.loads(line)["optimizer_steps"] for line in x["path"].read_text().splitlines()} == {1}
+    # another model joins under a family that names its layers; dev grids take the dev split
+    (sort1 / "manifest.json").write_text(json.dumps({"testbed": testbed("sorting", 3, 2),
+                                                      "warm_start": {"model": {"num_layers": 4}},
+                                                      "commands": ["python -m benchmarks.stability.run --grid deep"]}))
+    labels = write_set(tmp_path / "set", tmp_path / "out2", families=(), dev_grids=[sort1])
+    assert {(x["family"], x["split"], x["source"]) for x in labels} == {
+        ("grid-sorting3-2step-4layer", "dev", "benchmarks/stability/run.py --grid deep (grid-sorting3-2step-4layer)")}
 
 
 def _evaluate(folder, split):
@@ -159,12 +180,13 @@ def _evaluate(folder, split):
 
 
 def test_evaluate_command_on_a_committed_subset(tmp_path):
-    labels = [json.loads(line) for line in (LABELLED / "labels.jsonl").read_text().splitlines() if line.strip()]
+    grids = LABELLED.parent / "labelled-grids"  # a part read once as held out
+    labels = [json.loads(line) for line in (grids / "labels.jsonl").read_text().splitlines() if line.strip()]
     pick = ([x for x in labels if x["split"] == "heldout" and x["label"] == "collapse"][:2]
             + [x for x in labels if x["split"] == "heldout" and x["label"] == "healthy"][:2])
     (tmp_path / "streams").mkdir()
     for x in pick:
-        shutil.copy(LABELLED / x["stream"], tmp_path / x["stream"])
+        shutil.copy(grids / x["stream"], tmp_path / x["stream"])
     (tmp_path / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pick))
     table, scores = _evaluate(tmp_path, "heldout")
     for key in KEYS:

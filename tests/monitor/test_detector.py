@@ -163,6 +163,25 @@ def test_kl_interrupted_run_does_not_fire():
     assert rules(run_detector(stream("kl_old_new", [1.1, 0.0, 0.0]))) == [("kl_drift", 0)]
 
 
+def test_one_step_iterations_scale_the_kl_thresholds():
+    def one_step(kls, steps=1):
+        return [{"iteration": i, "kl_old_new": 0.0, "kl_step_max": v, "optimizer_steps": steps}
+                for i, v in enumerate(kls)]
+
+    cfg = MonitorConfig(kl_one_step_factor=1.5)  # runaway over 1.5, sustained over 0.15 for 3
+    assert run_detector(one_step([1.4, 0.14, 0.14, 0.14]), cfg) == []
+    alerts = run_detector(one_step([1.6, 0.0]), cfg)
+    assert [(a.rule, a.iteration, a.severity) for a in alerts] == [("kl_drift", 0, "critical")]
+    assert alerts[0].details["threshold"] == 1.5 and alerts[0].details["threshold_factor"] == 1.5
+    assert "kl_one_step_factor" in alerts[0].message
+    assert rules(run_detector(one_step([0.0, 0.2, 0.2, 0.2]), cfg)) == [("kl_drift", 3)]
+    # two steps: the in-step reading keeps the plain thresholds; factor 1 (the default before) too
+    assert rules(run_detector(one_step([1.4, 0.0], steps=2), cfg)) == [("kl_drift", 0)]
+    assert rules(run_detector(one_step([1.4, 0.0]), MonitorConfig(kl_one_step_factor=1.0))) == [("kl_drift", 0)]
+    with pytest.raises(ConfigError, match="monitor.kl_one_step_factor must be >= 1"):
+        load_config(overrides=["monitor.kl_one_step_factor=0.5"])
+
+
 def test_kl_threshold_and_window_are_configurable():
     cfg = MonitorConfig(kl_threshold=0.3, kl_window=2)
     assert rules(run_detector(stream("kl_old_new", [0.4, 0.1, 0.4, 0.5]), cfg)) == [("kl_drift", 3)]

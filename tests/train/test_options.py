@@ -137,6 +137,7 @@ def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["dpcc_preset"] == preset and summary["steps_taken"] == 3
     assert all(r["kl_old_new"] == pytest.approx(0.0, abs=1e-6) for r in records)  # the fresh step's KL
+    assert all(r["optimizer_steps"] == 1 for r in records)  # the detector scales its KL thresholds on this
     if preset == "calibrated":
         probes = [r["kl_probe"] for r in records]
         assert all(p > 1e-6 for p in probes)  # the step moved the policy and the probe saw it

@@ -90,6 +90,7 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
     # so a DPCC run's KL rules see the same quantity as a baseline's
     assert all(r["kl_probe"] > 0 for r in records)
     assert all(r["kl_step_max"] != r["kl_probe"] for r in records)
+    assert {r["optimizer_steps"] for r in records} == {2}
 
 
 def test_resume_is_exact(tmp_path):
