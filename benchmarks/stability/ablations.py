@@ -14,23 +14,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from .analyze import binom_two_sided, load_results, mean_ci95
+from .analyze import discordant, load_results, mean_ci95, paired
 
 
 def ablation_rows(results: list[dict], reference: str, variants: list[str]) -> list[dict]:
-    idx = {(r["method"], r["lr"], r["seed"]): r for r in results}
     lrs = sorted({r["lr"] for r in results})
     higher = lrs[1:]
     rows = []
     for v in variants:
-        pairs = [(idx[(v, lr, s)], idx[(reference, lr, s)]) for (m, lr, s) in idx
-                 if m == v and (reference, lr, s) in idx]
+        pairs = paired(results, v, reference)
         up = [(a, b) for a, b in pairs if a["lr"] in higher]
-        only_v = sum(a["collapsed"] and not b["collapsed"] for a, b in up)
-        only_r = sum(b["collapsed"] and not a["collapsed"] for a, b in up)
+        only_v, only_r, p = discordant(up)
         row = {"variant": v, "collapsed": (sum(a["collapsed"] for a, _ in up), sum(b["collapsed"] for _, b in up),
                                            len(up)),
-               "p": binom_two_sided(only_v, only_v + only_r), "discordant": (only_v, only_r), "delta": {}}
+               "p": p, "discordant": (only_v, only_r), "delta": {}}
         for lr in lrs:
             d = [a["reward_after"] - b["reward_after"] for a, b in pairs if a["lr"] == lr]
             row["delta"][lr] = mean_ci95(d)

@@ -144,19 +144,30 @@ def summary_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def paired_rows(results: list[dict], methods: list[str], lrs: list[float], baseline: str = "grpo") -> list[dict]:
+def paired(results: list[dict], method: str, baseline: str, lrs=None) -> list[tuple[dict, dict]]:
+    """(``method``'s run, ``baseline``'s run) for every (lr, seed) both have, at ``lrs`` (default: all)."""
     idx = {(r["method"], r["lr"], r["seed"]): r for r in results}
+    return [(a, idx[(baseline, lr, s)]) for (m, lr, s), a in idx.items()
+            if m == method and (lrs is None or lr in lrs) and (baseline, lr, s) in idx]
+
+
+def discordant(pairs: list[tuple[dict, dict]]) -> tuple[int, int, float]:
+    """Pairs collapsed only with the first run, only with the second, and the exact (McNemar) p."""
+    only_a = sum(a["collapsed"] and not b["collapsed"] for a, b in pairs)
+    only_b = sum(b["collapsed"] and not a["collapsed"] for a, b in pairs)
+    return only_a, only_b, binom_two_sided(only_a, only_a + only_b)
+
+
+def paired_rows(results: list[dict], methods: list[str], lrs: list[float], baseline: str = "grpo") -> list[dict]:
     rows = []
     for lr in lrs:
         for m in methods:
             if m == baseline:
                 continue
-            pairs = [(idx[(m, lr, s)], idx[(baseline, lr, s)]) for (mm, ll, s) in idx
-                     if mm == m and ll == lr and (baseline, lr, s) in idx]
+            pairs = paired(results, m, baseline, [lr])
             if not pairs:
                 continue
-            only_m = sum(a["collapsed"] and not b["collapsed"] for a, b in pairs)
-            only_b = sum(b["collapsed"] and not a["collapsed"] for a, b in pairs)
+            only_m, only_b, p_collapse = discordant(pairs)
             d_final = [a["reward_after"] - b["reward_after"] for a, b in pairs
                        if a["reward_after"] is not None and b["reward_after"] is not None]
             d_pass1 = [a["pass1_after"] - b["pass1_after"] for a, b in pairs
@@ -172,7 +183,7 @@ def paired_rows(results: list[dict], methods: list[str], lrs: list[float], basel
             e_m, _, _ = mean_sd(a.get("effective_utilisation") for a, _ in pairs)
             e_b, _, _ = mean_sd(b.get("effective_utilisation") for _, b in pairs)
             rows.append({"lr": lr, "method": m, "pairs": len(pairs), "only_m": only_m, "only_b": only_b,
-                         "p_collapse": binom_two_sided(only_m, only_m + only_b),
+                         "p_collapse": p_collapse,
                          "d_final": d_final, "d_pass1": d_pass1, "wins": wins, "losses": losses,
                          "p_final": binom_two_sided(wins, wins + losses),
                          "steps_ratio": [a / b for a, b in both], "both_reached": len(both), "reach": reach,
@@ -295,25 +306,21 @@ def targets_lines(results: list[dict], method: str, baseline: str = "grpo", marg
     smallest): paired mean difference of the final greedy reward >= -margin (95% t interval shown).
     Fewer seeds ending below their start than ``baseline``, and a lower collapse rate than every
     other method in the results."""
-    idx = {(r["method"], r["lr"], r["seed"]): r for r in results}
     lrs = sorted({r["lr"] for r in results})
     if len(lrs) < 2 or not any(r["method"] == method for r in results):
         return [f"- Not evaluated: needs `{method}` and `{baseline}` at two or more learning rates."]
     safe, higher = lrs[0], lrs[1:]
-    pairs = [(idx[(method, lr, s)], idx[(baseline, lr, s)]) for (m, lr, s) in idx
-             if m == method and lr in higher and (baseline, lr, s) in idx]
+    pairs = paired(results, method, baseline, higher)
     k_m, k_b, n = sum(a["collapsed"] for a, _ in pairs), sum(b["collapsed"] for _, b in pairs), len(pairs)
-    only_m = sum(a["collapsed"] and not b["collapsed"] for a, b in pairs)
-    only_b = sum(b["collapsed"] and not a["collapsed"] for a, b in pairs)
-    p = binom_two_sided(only_m, only_m + only_b)
+    only_m, only_b, p = discordant(pairs)
     ok = n > 0 and k_m <= k_b / 4 and p < 0.05 and only_b > only_m
     verdict = lambda met: "**met**" if met else "**not met**"  # noqa: E731
     out = [f"- Collapse at lr {', '.join(f'{x:g}' for x in higher)} (target: ≤ ¼ of {baseline}'s, exact paired "
            f"p < 0.05): `{method}` {k_m}/{n}, {baseline} {k_b}/{n}; discordant pairs {only_m} vs {only_b}, "
            f"p = {p:.3g}: {verdict(ok)}."]
     def safe_diffs(key: str) -> list[float]:  # paired method - baseline differences of ``key`` at the safe LR
-        return [a[key] - b[key] for (m, lr, s), a in idx.items() if m == method and lr == safe and (baseline, lr, s) in idx
-                for b in [idx[(baseline, lr, s)]] if a.get(key) is not None and b.get(key) is not None]
+        return [a[key] - b[key] for a, b in paired(results, method, baseline, [safe])
+                if a.get(key) is not None and b.get(key) is not None]
 
     d = safe_diffs("reward_after")
     mean, lo, hi, nd = mean_ci95(d)
