@@ -174,6 +174,12 @@ GRIDS: dict[str, Grid] = {
     "deep": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, MEDIUM_LR, AGGRESSIVE_LR), seeds=tuple(range(401, 417)),
                  iterations=40, warm_start_steps=150, target_reward=0.5,
                  extra=testbed("sorting", 3, 2, prompts=BASE_CONFIG["rollout"]["prompts_per_iteration"])),
+    # A second task on the 4-layer model, chosen on development seeds 101-104 by four-layer-addition.md
+    # (candidate C10, the first viable of C5-C11): 2-digit addition, 16 prompts per iteration, 600
+    # warm-start steps; target reward 0.15 from the same runs. Held-out seeds 501-516.
+    "deep-addition": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, MEDIUM_LR, AGGRESSIVE_LR), seeds=tuple(range(501, 517)),
+                          iterations=40, warm_start_steps=600, target_reward=0.15,
+                          extra=testbed("addition", 2, 2, prompts=16)),
     # The smoke grid (tests/benchmarks): two methods, one seed, a few iterations, the demo's model;
     # the test adds a GRPO run at BROKEN_LR with `--methods grpo --lrs <BROKEN_LR>`. 8 iterations: the
     # collapse rule reads a halving only with 5 iterations after it (benchmarks/monitor/labels.py).
