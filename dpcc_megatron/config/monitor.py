@@ -116,21 +116,21 @@ class MonitorConfig:
     """kl_drift fires when kl_old_new exceeds this..."""
     kl_window: int = 3
     """...for this many consecutive batches."""
-    kl_critical_threshold: Optional[float] = 1.0
+    kl_critical_threshold: Optional[float] = 0.5
     """kl_drift is critical (confirmable like any critical) when one iteration's KL (the largest per-step KL,
     `kl_step_max`, when sent) exceeds this: a runaway update. None disables."""
     kl_sustained_threshold: Optional[float] = 0.1
     """kl_drift is also critical when the per-step KL (`kl_step_max`, when sent) stays above this for
     `kl_sustained_window` consecutive iterations: a step size that drifts (an LR climbing, a schedule
     gone wrong) before the reward falls. None disables."""
-    kl_sustained_window: int = 3
+    kl_sustained_window: int = 2
     """Consecutive iterations the per-step KL must stay above `kl_sustained_threshold`."""
     step_kl_probe: bool = True
     """With one optimizer step per iteration every in-step KL is the fresh step's (~0 by construction), so
     the trainer measures that step's KL(pi_old || pi_new) after it, with one forward-only micro-batch of
     the batch, and records it as `kl_step_max` for the KL rules (any loss; DPCC's drift probe, when on,
     is the same pass). False: no extra pass, and the KL rules have no reading in that setting."""
-    kl_one_step_factor: float = 1.0
+    kl_one_step_factor: float = 3.0
     """With one optimizer step in an iteration (the record's `optimizer_steps` is 1), `kl_step_max` is the
     after-step reading of `step_kl_probe`, taken on samples the step trained on: a larger quantity than the
     in-step KL of a later step, which is read on samples that step has not trained on. The KL thresholds

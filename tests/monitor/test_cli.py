@@ -56,15 +56,16 @@ def test_replay_prints_alerts_and_final_json(tmp_path):
     # overrides change thresholds: a KL window of 4 never fills
     out = cli("replay", "--input", str(stream), "--config", str(plain), "-o", "monitor.kl_window=4")
     assert "kl_drift" not in out.stdout.strip().splitlines()[-1]
-    # the shipped defaults: 0.9 is under kl_critical_threshold (1.0) but over kl_sustained_threshold
-    # (0.1) for kl_sustained_window (3) iterations from iteration 1, so critical at iteration 3
+    # the shipped defaults: 0.9 is over kl_critical_threshold (0.5): a runaway at iteration 1
     out = cli("replay", "--input", str(stream))
     alerts = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
-    assert {"rule": "kl_drift", "iteration": 3, "severity": "critical"} in alerts
-    # a lower runaway threshold makes the first 0.9 a runaway at once
-    out = cli("replay", "--input", str(stream), "-o", "monitor.kl_critical_threshold=0.5")
-    alerts = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
     assert {"rule": "kl_drift", "iteration": 1, "severity": "critical"} in alerts
+    # a higher runaway threshold leaves the sustained rule: over kl_sustained_threshold (0.1) for
+    # kl_sustained_window (2) iterations from iteration 1, so critical at iteration 2
+    out = cli("replay", "--input", str(stream), "-o", "monitor.kl_critical_threshold=1.0")
+    alerts = json.loads(out.stdout.strip().splitlines()[-1])["alerts"]
+    assert {"rule": "kl_drift", "iteration": 2, "severity": "critical"} in alerts
+    assert not any(a["rule"] == "kl_drift" and a["iteration"] < 2 for a in alerts)
 
 
 def test_replay_names_the_malformed_line(tmp_path):

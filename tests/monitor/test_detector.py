@@ -156,11 +156,11 @@ def test_kl_interrupted_run_does_not_fire():
     cfg = MonitorConfig(**KL_WARNING_ONLY)
     assert run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]), cfg) == []
     assert run_detector(stream("kl_old_new", [0.9, 0.9, 0.8, 0.9, 0.9]), cfg) == []  # 0.8 is not above 0.8
-    # with the calibrated defaults no value is a runaway (kl_critical_threshold 1.0), but all three stay
-    # over kl_sustained_threshold (0.1) for kl_sustained_window (3): critical at the third
-    alerts = run_detector(stream("kl_old_new", [0.9, 0.7, 0.9]))
-    assert [(a.rule, a.iteration, a.severity) for a in alerts] == [("kl_drift", 2, "critical")]
-    assert rules(run_detector(stream("kl_old_new", [1.1, 0.0, 0.0]))) == [("kl_drift", 0)]
+    # with the calibrated defaults no value is a runaway (kl_critical_threshold 0.5), but the last two stay
+    # over kl_sustained_threshold (0.1) for kl_sustained_window (2): critical at the second of them
+    alerts = run_detector(stream("kl_old_new", [0.4, 0.05, 0.3, 0.45]))
+    assert [(a.rule, a.iteration, a.severity) for a in alerts] == [("kl_drift", 3, "critical")]
+    assert rules(run_detector(stream("kl_old_new", [0.6, 0.0, 0.0]))) == [("kl_drift", 0)]
 
 
 def test_one_step_iterations_scale_the_kl_thresholds():
@@ -168,16 +168,20 @@ def test_one_step_iterations_scale_the_kl_thresholds():
         return [{"iteration": i, "kl_old_new": 0.0, "kl_step_max": v, "optimizer_steps": steps}
                 for i, v in enumerate(kls)]
 
-    cfg = MonitorConfig(kl_one_step_factor=1.5)  # runaway over 1.5, sustained over 0.15 for 3
+    plain = dict(kl_critical_threshold=1.0, kl_sustained_threshold=0.1, kl_sustained_window=3)
+    cfg = MonitorConfig(**plain, kl_one_step_factor=1.5)  # runaway over 1.5, sustained over 0.15 for 3
     assert run_detector(one_step([1.4, 0.14, 0.14, 0.14]), cfg) == []
     alerts = run_detector(one_step([1.6, 0.0]), cfg)
     assert [(a.rule, a.iteration, a.severity) for a in alerts] == [("kl_drift", 0, "critical")]
     assert alerts[0].details["threshold"] == 1.5 and alerts[0].details["threshold_factor"] == 1.5
     assert "kl_one_step_factor" in alerts[0].message
     assert rules(run_detector(one_step([0.0, 0.2, 0.2, 0.2]), cfg)) == [("kl_drift", 3)]
-    # two steps: the in-step reading keeps the plain thresholds; factor 1 (the default before) too
+    # two steps: the in-step reading keeps the plain thresholds; factor 1 too
     assert rules(run_detector(one_step([1.4, 0.0], steps=2), cfg)) == [("kl_drift", 0)]
-    assert rules(run_detector(one_step([1.4, 0.0]), MonitorConfig(kl_one_step_factor=1.0))) == [("kl_drift", 0)]
+    assert rules(run_detector(one_step([1.4, 0.0]), MonitorConfig(**plain, kl_one_step_factor=1.0))) == [("kl_drift", 0)]
+    # the shipped defaults: runaway over 0.5 x 3 = 1.5 with one step, over 0.5 with two
+    assert run_detector(one_step([1.4, 0.0])) == []
+    assert rules(run_detector(one_step([1.4, 0.0], steps=2))) == [("kl_drift", 0)]
     with pytest.raises(ConfigError, match="monitor.kl_one_step_factor must be >= 1"):
         load_config(overrides=["monitor.kl_one_step_factor=0.5"])
 
@@ -326,7 +330,7 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
 
 
 def test_kl_drift_alert_names_the_per_step_kl_it_read():
-    det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2))
+    det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2, kl_critical_threshold=1.0, kl_sustained_window=3))
     alerts = [a for i in range(3) for a in det.update({"iteration": i, "kl_old_new": 0.3, "kl_step_max": 0.6})]
     # the window of 2 over 0.5 warns at iteration 1; over kl_sustained_threshold (0.1) for 3 it is critical at 2
     assert [(a.rule, a.metric, a.severity, a.iteration) for a in alerts] == [
