@@ -116,6 +116,17 @@ def test_committed_grid_sets_match_their_labels_and_steps(name):
         assert all(r["optimizer_steps"] == steps for r in records), x["stream"]
 
 
+def test_committed_fifth_heldout_part_matches_its_labels_and_seeds():
+    labels = read_labels(LABELLED.parent / "labelled-fifth")
+    assert {x["split"] for x in labels} == {"heldout"} and len(labels) == 184
+    fams = {x["family"] for x in labels}
+    assert {f.name for f in FAMILIES} < fams and {"grid-addition1-1step", "grid-sorting3-2step-4layer"} < fams
+    for x in labels:
+        _relabel_matches(x)
+        # family runs at the held-out seeds 47-48; the grids at seeds no other part uses
+        assert x["seed"] in HELDOUT_SEEDS if x["family"] in {f.name for f in FAMILIES} else x["seed"] >= 701
+
+
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
     run = folder / "runs" / name
     run.mkdir(parents=True)
@@ -197,3 +208,44 @@ def test_evaluate_command_on_a_committed_subset(tmp_path):
     assert all(x["stream"][-40:] in table for x in pick)  # one row per stream
     with pytest.raises(AssertionError):
         _evaluate(tmp_path, "dev")  # no dev streams in this subset: an error, not empty scores
+
+
+#: The detector values of the fourth and the fifth calibration (the defaults their readings were made with).
+FOURTH = {"kl_critical_threshold": 1.0, "kl_sustained_window": 3, "kl_one_step_factor": 1.0}
+FIFTH = {"kl_critical_threshold": 0.5, "kl_sustained_window": 2, "kl_one_step_factor": 3.0}
+
+
+def _reported_readings() -> list[dict]:
+    """The JSON score lines quoted in benchmarks/monitor/RESULTS.md."""
+    text = (LABELLED.parent / "RESULTS.md").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith('{"streams": ')]
+
+
+def _seeds_only(src: Path, dest: Path, seeds) -> Path:
+    """A labelled set of ``src``'s streams of ``seeds`` (whatever split they are filed under), as held out."""
+    (dest / "streams").symlink_to(src / "streams")
+    picked = [{**x, "split": "heldout"} for x in
+              (json.loads(line) for line in (src / "labels.jsonl").read_text().splitlines() if line.strip())
+              if x["seed"] in seeds]
+    (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in picked))
+    return dest
+
+
+def test_committed_readings_reproduce(tmp_path):
+    """Every held-out reading RESULTS.md quotes comes back from the committed streams and the detector
+    values it was made with: the report cannot drift from the data or the code."""
+    import dataclasses
+
+    from dpcc_megatron.config.monitor import MonitorConfig
+    from dpcc_megatron.monitor.evaluate import evaluate
+
+    reported = _reported_readings()
+    readings = [(LABELLED.parent / "labelled-fifth", FIFTH),
+                (LABELLED.parent / "labelled-grids", FOURTH), (LABELLED.parent / "labelled-onestep", FOURTH),
+                (_seeds_only(LABELLED, tmp_path, (45, 46)), FOURTH)]
+    for folder, values in readings:
+        cfg = dataclasses.replace(MonitorConfig(), **values)
+        _, scores = evaluate(folder, cfg, "heldout")
+        assert scores in reported, (folder.name, scores)
+    # and the readings differ: a score line that matched anything would not be a check
+    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 4
