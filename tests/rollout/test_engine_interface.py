@@ -51,24 +51,6 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # in-process engines hang in the trainer's world
 
 
-def test_an_explicit_thread_count_keeps_vllm_cpu_from_pinning_every_core(monkeypatch):
-    from dpcc_megatron.rollout import vllm_engine
-
-    _restore_vllm_env(monkeypatch)
-    monkeypatch.setitem(sys.modules, "vllm", None)  # stop at the import: only the environment is under test
-    cases = [({"OMP_NUM_THREADS": "1"}, "nobind"),  # the runner's parallel jobs: one thread each, no pinning
-             ({"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "0-1"),  # the user's binding wins
-             ({}, None)]  # no explicit count: vllm-cpu's own default (auto) stays
-    for env, want in cases:
-        for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        with pytest.raises(EngineStartError):
-            vllm_engine.import_vllm()
-        assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == want, env
-
-
 def test_vllm_checksum_names_cover_every_layer():
     from dpcc_megatron.convert.layout import all_hf_shapes
     from dpcc_megatron.rollout.vllm_engine import checksum_names
