@@ -23,9 +23,9 @@ held-out part, every other seed is ``dev``. Each held-out part is read once, the
 - seeds 43-44 with the third; then the labelling rule gained its ``degraded`` label, the ``dpcc``
   default changed (the KL-target LR rule), every stream was trained again, and seeds 45-46 were added
   to every family before the fourth calibration;
-- seeds 45-46 with the fourth (``labelled/`` keeps the split it was read with: the fifth calibration
-  reads all of it as development, see ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were
-  then added to every family, written with ``--seeds 47,48`` to ``labelled-fifth/``.
+- seeds 45-46 with the fourth (``labelled/labels.jsonl`` now files them under ``dev``, as this
+  module writes them; ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were then added to
+  every family, written with ``--seeds 47,48`` to ``labelled-fifth/``.
 """
 from __future__ import annotations
 
