@@ -36,6 +36,13 @@ def ablation_rows(results: list[dict], reference: str, variants: list[str]) -> l
     return rows
 
 
+def complete_seeds(results: list[dict], methods: list[str]) -> set[int]:
+    """Seeds on which every method in ``methods`` has a result at every LR of ``results``."""
+    lrs = {r["lr"] for r in results}
+    have = {(r["method"], r["lr"], r["seed"]) for r in results}
+    return {s for s in {r["seed"] for r in results} if all((m, lr, s) in have for m in methods for lr in lrs)}
+
+
 def table(rows: list[dict], reference: str) -> list[str]:
     lrs = sorted({lr for r in rows for lr in r["delta"]})
     head = (f"| variant | collapsed at {', '.join(f'{x:g}' for x in lrs[1:])}: variant / `{reference}` "
@@ -55,10 +62,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the runner's output directory")
     p.add_argument("--reference", default="dpcc")
     p.add_argument("--variants", default=None, help="comma list (default: <reference>-* in the folder)")
+    p.add_argument("--complete-seeds", action="store_true",
+                   help="only the seeds on which the reference and every variant finished at every LR "
+                        "(an interrupted grid's complete pairs); prints them")
     args = p.parse_args(argv)
     ok, _ = load_results(Path(args.out))
     variants = (args.variants.split(",") if args.variants else
                 sorted({r["method"] for r in ok if r["method"].startswith(args.reference + "-")}))
+    if args.complete_seeds:
+        seeds = complete_seeds(ok, [args.reference, *variants])
+        ok = [r for r in ok if r["seed"] in seeds]
+        print(f"complete seeds ({len(seeds)}): {', '.join(map(str, sorted(seeds)))}")
     print("\n".join(table(ablation_rows(ok, args.reference, variants), args.reference)))
     return 0
 

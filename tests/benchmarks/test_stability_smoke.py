@@ -370,3 +370,11 @@ def test_ablations_are_paired_with_the_reference_and_flagged_when_they_differ():
     lines = table([x, y], "dpcc")
     assert lines[2].startswith("| `dpcc-no-x` | 6/6 vs 0/6 (6 vs 0, p = 0.0312) |") and lines[2].endswith("| yes |")
     assert lines[3].endswith("| no |")
+    # an interrupted grid: seed 7 has the reference everywhere but one variant at one LR only
+    from benchmarks.stability.ablations import complete_seeds
+
+    partial = results + [r("dpcc", 2e-4, 7, False, 0.5), r("dpcc", 2e-3, 7, False, 0.4),
+                         r("dpcc-no-x", 2e-4, 7, False, 0.5), r("dpcc-no-y", 2e-4, 7, False, 0.5),
+                         r("dpcc-no-y", 2e-3, 7, False, 0.4)]
+    assert complete_seeds(partial, ["dpcc", "dpcc-no-x", "dpcc-no-y"]) == set(range(1, 7))
+    assert complete_seeds(partial, ["dpcc", "dpcc-no-y"]) == set(range(1, 8))
