@@ -34,7 +34,7 @@ import json
 import sys
 
 from dpcc_megatron.config.monitor import MonitorConfig
-from dpcc_megatron.monitor.evaluate import LabelError, read_labels, read_stream, replay, score
+from dpcc_megatron.monitor.evaluate import labelled_streams, replay, score
 
 #: The detector's documented example thresholds before issue 21's calibration (band calibrated from
 #: 20 healthy steps, every low-entropy stretch a warning unless a template collapse, grad_spike 5x).
@@ -56,14 +56,13 @@ GRIDS = {
     },
     "one-step": {"kl_one_step_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]},
 }
-GRID = GRIDS["main"]
 
 
 #: The held-out target on the median lead (iterations before the reward halves).
 LEAD_TARGET = 3
 
 
-def settings(grid: dict = GRID):
+def settings(grid: dict = GRIDS["main"]):
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
         ov = dict(zip(keys, values))
@@ -78,14 +77,9 @@ def settings(grid: dict = GRID):
 def load_streams(labelled=(), read=()) -> list[tuple[str, str, list[dict]]]:
     """(name, label, records) of the dev split of each ``labelled`` folder and of every stream of each
     ``read`` folder, parsed once."""
-    out = []
-    for folders, split in ((labelled, "dev"), (read, None)):
-        for folder in folders:
-            labels = [x for x in read_labels(folder) if split is None or x["split"] == split]
-            if not labels:
-                raise LabelError(f"{folder}: no streams in split {split!r}")
-            out += [(f"{folder}/{x['stream']}", x["label"], read_stream(x["path"])) for x in labels]
-    return out
+    return [(f"{folder}/{name}", label, records)
+            for folders, split in ((labelled, "dev"), (read, None)) for folder in folders
+            for name, label, records in labelled_streams(folder, split)]
 
 
 def score_of(streams, overrides: dict) -> dict:

@@ -202,9 +202,14 @@ def score(results: list[StreamResult]) -> dict:
     }
 
 
-def evaluate(folder: str | Path, cfg: Any, split: Optional[str] = "heldout") -> tuple[list[StreamResult], dict]:
+def labelled_streams(folder: str | Path, split: Optional[str] = "heldout") -> list[tuple[str, str, list[dict]]]:
+    """(stream name, label, records) of every stream of ``split`` (None: all) in a labelled set."""
     labels = [x for x in read_labels(folder) if split is None or x["split"] == split]
     if not labels:
         raise LabelError(f"{folder}: no streams in split {split!r}")
-    results = [replay(read_stream(x["path"]), cfg, str(x["stream"]), x["label"]) for x in labels]
+    return [(str(x["stream"]), x["label"], read_stream(x["path"])) for x in labels]
+
+
+def evaluate(folder: str | Path, cfg: Any, split: Optional[str] = "heldout") -> tuple[list[StreamResult], dict]:
+    results = [replay(records, cfg, name, label) for name, label, records in labelled_streams(folder, split)]
     return results, score(results)
