@@ -14,7 +14,7 @@ on the reward and entropy curves, never by hand), trimmed to the fields the dete
 written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
 ``dpcc-megatron monitor evaluate --labelled DIR``.
 
-The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 47-48 are the
+The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 49-50 are the
 held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
 - the even seeds 2-6 with the first calibration; seeds 41-42 were then added to every family;
 - seeds 41-42 with the second; then the trainer stopped folding DPCC's drift probe into
@@ -25,7 +25,9 @@ held-out part, every other seed is ``dev``. Each held-out part is read once, the
   to every family before the fourth calibration;
 - seeds 45-46 with the fourth (``labelled/labels.jsonl`` now files them under ``dev``, as this
   module writes them; ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were then added to
-  every family, written with ``--seeds 47,48`` to ``labelled-fifth/``.
+  every family, written with ``--seeds 47,48`` to ``labelled-fifth/``;
+- seeds 47-48 with the fifth (``benchmarks/monitor/sixth-calibration.md``); seeds 49-50 were then added
+  to every family, written with ``--seeds 49,50`` to ``labelled-sixth/``.
 """
 from __future__ import annotations
 
@@ -73,9 +75,9 @@ class Family:
 #: The stability grid whose testbed (model, task, warm-start) every stream uses.
 TESTBED = GRIDS["small"]
 #: Seeds of the held-out part (see the module docstring); each family runs them.
-HELDOUT_SEEDS = (47, 48)
+HELDOUT_SEEDS = (49, 50)
 #: Earlier held-out parts, read once each, now development seeds of every family.
-READ_SEEDS = (41, 42, 43, 44, 45, 46)
+READ_SEEDS = (41, 42, 43, 44, 45, 46, 47, 48)
 
 
 def _steps(iterations: int) -> int:
@@ -114,7 +116,7 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def split_of(seed: int) -> str:
-    """The split, fixed before tuning: seeds 47-48 are held out, all others develop the detector."""
+    """The split, fixed before tuning: seeds 49-50 are held out, all others develop the detector."""
     return "heldout" if seed in HELDOUT_SEEDS else "dev"
 
 
