@@ -17,7 +17,9 @@ with ``dpcc-megatron monitor evaluate --labelled DIR``.
 Grids: ``main`` (the band, confirmation, patience, mastered gain and the KL thresholds) and
 ``one-step`` (``kl_one_step_factor``, the KL thresholds' factor for one-step iterations, searched on
 streams of one optimizer step per iteration with the after-step KL; ``--base`` holds the ``main``
-choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``.
+choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``; ``sixth`` (the ``reward_drop``
+rule's fraction, patience and window, or off, with the one-step factor re-read), as fixed by
+``benchmarks/monitor/sixth-calibration.md``.
 
 Why J and not "no healthy critical, then recall" (the first calibration's rule): on the dev part,
 which since the second calibration holds the stability grid's aggressive-LR runs, the runs at
@@ -55,6 +57,8 @@ GRIDS = {
         "kl_sustained": [None, (0.1, 2), (0.1, 3), (0.2, 2), (0.2, 3), (0.3, 3)],
     },
     "one-step": {"kl_one_step_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]},
+    "sixth": {"reward_drop": [None] + [(f, p, w) for w in (1, 3) for f in (0.3, 0.4, 0.5) for p in (1, 2, 3)],
+              "kl_one_step_factor": [3.0, 4.0, 6.0]},
 }
 
 
@@ -71,6 +75,11 @@ def settings(grid: dict = GRIDS["main"]):
             ov["kl_sustained_threshold"] = sustained[0] if sustained else None
             if sustained:
                 ov["kl_sustained_window"] = sustained[1]
+        if "reward_drop" in ov:
+            drop = ov.pop("reward_drop")  # (fraction, patience, window) searched together
+            ov["reward_drop_fraction"] = drop[0] if drop else None
+            if drop:
+                ov["reward_drop_patience"], ov["reward_drop_window"] = drop[1], drop[2]
         yield ov
 
 
@@ -101,8 +110,8 @@ def youden(s: dict) -> float:
 def rank(row) -> tuple:
     """Largest J first (rounded to 3 decimals); then whether the median lead reaches the target (3
     iterations); then the most cautious setting (longest confirmation, longest patience, widest band,
-    highest KL thresholds or none, largest grad-spike factor, smallest reward gain that counts as
-    mastering), so the margin against false alarms on runs the dev part does not have is as large as
+    highest KL thresholds or none, the reward-drop rule off or else its largest fraction, longest
+    patience and longest window, largest grad-spike factor, smallest reward gain that counts as mastering), so the margin against false alarms on runs the dev part does not have is as large as
     the dev part allows; then fewest warnings, longest lead."""
     _, ov, s = row
     lo, hi = ov.get("entropy_band_relative") or (0.0, 99.0)
@@ -111,6 +120,7 @@ def rank(row) -> tuple:
     lead = s["median_lead_iterations"]
     return (round(youden(s), 3), lead is not None and lead >= LEAD_TARGET, ov.get("collapse_confirm_steps", 0),
             ov.get("low_entropy_patience", 0), hi - lo, kl, sus, ov.get("kl_sustained_window", 0),
+            ov.get("reward_drop_fraction") or 1.0, ov.get("reward_drop_patience", 0), ov.get("reward_drop_window", 0),
             ov.get("kl_one_step_factor", 0), ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
             -(s["warnings_per_100_healthy"] or 0.0), lead or -99)
 

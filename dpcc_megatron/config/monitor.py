@@ -152,6 +152,16 @@ class MonitorConfig:
     """...as does a zero-variance group fraction at or above this..."""
     reward_collapse_patience: int = 5
     """...for this many consecutive steps."""
+    reward_drop_fraction: Optional[float] = None
+    """reward_drop is critical (confirmable) when the mean of the last `reward_drop_window` (rule-track)
+    rewards has been below (1 - this) x its best value at a healthy iteration for `reward_drop_patience`
+    consecutive iterations, while that best is positive (a fraction of a zero or negative best means
+    nothing). A reactive rule: it reads the reward's level, the quantity a collapse is defined by. None
+    disables."""
+    reward_drop_patience: int = 2
+    """Consecutive iterations the reward must stay below the reward_drop line."""
+    reward_drop_window: int = 3
+    """Iterations in the trailing reward mean that reward_drop reads (1: each iteration's own reward)."""
     collapse_confirm_steps: int = 1
     """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
     alert_cooldown: int = 10
@@ -259,6 +269,10 @@ class MonitorConfig:
         check(0 < self.zero_var_frac_max <= 1, "zero_var_frac_max", f"must be in (0, 1], got {self.zero_var_frac_max}")
         check(self.reward_collapse_patience >= 1, "reward_collapse_patience",
               f"must be >= 1, got {self.reward_collapse_patience}")
+        check(self.reward_drop_fraction is None or 0 < self.reward_drop_fraction < 1, "reward_drop_fraction",
+              f"must be in (0, 1) or null, got {self.reward_drop_fraction}")
+        check(self.reward_drop_patience >= 1, "reward_drop_patience", f"must be >= 1, got {self.reward_drop_patience}")
+        check(self.reward_drop_window >= 1, "reward_drop_window", f"must be >= 1, got {self.reward_drop_window}")
         check(self.collapse_confirm_steps >= 1, "collapse_confirm_steps",
               f"must be >= 1, got {self.collapse_confirm_steps}")
         check(self.alert_cooldown >= 1, "alert_cooldown", f"must be >= 1, got {self.alert_cooldown}")

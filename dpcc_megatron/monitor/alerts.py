@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 SEVERITIES = ("info", "warning", "critical")
 RULES = ("high_entropy", "low_entropy", "kl_drift", "non_finite", "grad_spike", "reward_collapse",
-         "sampler_mismatch")
+         "sampler_mismatch", "reward_drop")
 ACTIONS = ("none", "reduce_lr", "checkpoint_and_pause", "rollback")
 _PRIORITY = {a: i for i, a in enumerate(ACTIONS)}
 

@@ -36,6 +36,10 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   while the task is being mastered in the sense of ``mastered_reward_gain``).
 - ``sampler_mismatch`` ``mismatch_kl > mismatch_kl_threshold`` for ``kl_window`` batches
   (warning; off unless the threshold is set).
+- ``reward_drop``   the mean of the last ``reward_drop_window`` rewards below
+  ``(1 - reward_drop_fraction) x`` its best value at a healthy iteration, for
+  ``reward_drop_patience`` consecutive iterations, while that best is positive (critical; off
+  unless the fraction is set). Reactive: it reads the reward's level itself.
 
 A rule alerts when its condition starts to hold, again after ``alert_cooldown``
 iterations while it keeps holding, and again when its severity escalates. A critical
@@ -105,7 +109,8 @@ class CollapseDetector:
         c = self.cfg
         self._hist_len = max(c.kl_window, c.kl_sustained_window, c.entropy_jump_window,
                              c.grad_spike_window + 1,
-                             c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps, 2)
+                             c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps,
+                             c.reward_drop_patience + c.reward_drop_window, 2)
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
         self.band_source: Optional[str] = "config" if self.band is not None else None
         self._calib: list[float] = []
@@ -113,6 +118,8 @@ class CollapseDetector:
         self.last_iteration: Optional[int] = None
         self.last_healthy_iteration: Optional[int] = None
         self.best_healthy_reward: Optional[float] = None
+        self.best_healthy_reward_trailing: Optional[float] = None
+        """Best mean of the last ``reward_drop_window`` rewards at a healthy iteration (reward_drop's line)."""
         self.healthy_reward_sum, self.healthy_reward_n = 0.0, 0
         self.kl_estimator: Optional[str] = None
         self.records_seen = 0
@@ -125,7 +132,7 @@ class CollapseDetector:
     def _reset_windows(self) -> None:
         self._hist: dict[str, deque] = {k: deque(maxlen=self._hist_len) for k in _TRACKED}
         self._counters: dict[str, int] = {"kl_old_new": 0, "kl_ref": 0, "mismatch_kl": 0, "below_band": 0,
-                                          "reward": 0, "kl_sustained": 0}
+                                          "reward": 0, "kl_sustained": 0, "reward_drop": 0}
         self._streak = {r: 0 for r in RULES}
         self._crit_streak = {r: 0 for r in RULES}
         self._last_fired: dict[str, Optional[int]] = {r: None for r in RULES}
@@ -144,6 +151,7 @@ class CollapseDetector:
             "last_iteration": self.last_iteration,
             "last_healthy_iteration": self.last_healthy_iteration,
             "best_healthy_reward": self.best_healthy_reward,
+            "best_healthy_reward_trailing": self.best_healthy_reward_trailing,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
             "records_seen": self.records_seen,
@@ -170,6 +178,7 @@ class CollapseDetector:
         self.last_iteration = state.get("last_iteration")
         self.last_healthy_iteration = state.get("last_healthy_iteration")
         self.best_healthy_reward = state.get("best_healthy_reward")
+        self.best_healthy_reward_trailing = state.get("best_healthy_reward_trailing")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
         self.records_seen = int(state.get("records_seen", 0))
@@ -228,20 +237,25 @@ class CollapseDetector:
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
                          ("low_entropy", self._rule_low_entropy), ("kl_drift", self._rule_kl),
                          ("sampler_mismatch", self._rule_mismatch), ("grad_spike", self._rule_grad_spike),
-                         ("reward_collapse", self._rule_reward)):
+                         ("reward_collapse", self._rule_reward), ("reward_drop", self._rule_reward_drop)):
             hit = fn(record, it)
             if hit is not None:
                 hits[rule] = hit
 
         alerts = self._fire(hits, it)
-        # A step below the entropy floor whose patience has not run out yet is not healthy either:
+        # A step below the entropy floor (or under the reward_drop line) whose patience has not run out yet is
+        # not healthy either:
         # it must not calibrate the band, raise the best reward, or become the rollback target
         # (unless the task is being mastered: low entropy with a reward that rose, see _rule_low_entropy).
-        if not hits and (self._counters["below_band"] == 0 or self._mastered):
+        if not hits and (self._counters["below_band"] == 0 or self._mastered) and self._counters["reward_drop"] == 0:
             self.last_healthy_iteration = it
             r = record.get("reward_mean")
             if is_finite(r) and (self.best_healthy_reward is None or r > self.best_healthy_reward):
                 self.best_healthy_reward = float(r)
+            trailing = self._trailing_reward()
+            if trailing is not None and (self.best_healthy_reward_trailing is None
+                                         or trailing > self.best_healthy_reward_trailing):
+                self.best_healthy_reward_trailing = trailing
             if is_finite(r) and not self._mastered:
                 self.healthy_reward_sum += float(r)
                 self.healthy_reward_n += 1
@@ -510,6 +524,29 @@ class CollapseDetector:
         return _Hit("warning", msg, self._name(key), self._window(key, c.reward_collapse_patience),
                     {"reward_std_min": c.reward_std_min, "zero_var_frac_max": c.zero_var_frac_max,
                      "judged_on": self._name(key)})
+
+    def _trailing_reward(self) -> Optional[float]:
+        """Mean of the last ``reward_drop_window`` (judged) rewards, None before there are that many."""
+        n = self.cfg.reward_drop_window
+        recent = [v for _, v in list(self._hist["reward_mean"])[-n:]]
+        return statistics.fmean(recent) if len(recent) == n else None
+
+    def _rule_reward_drop(self, rec: Mapping, it: int) -> Optional[_Hit]:
+        c, best = self.cfg, self.best_healthy_reward_trailing
+        now = self._trailing_reward() if is_finite(rec.get("reward_mean")) else None
+        if c.reward_drop_fraction is None or best is None or best <= 0 or now is None:
+            self._counters["reward_drop"] = 0
+            return None
+        line = (1.0 - c.reward_drop_fraction) * best
+        self._counters["reward_drop"] = self._counters["reward_drop"] + 1 if now < line else 0
+        if self._counters["reward_drop"] < c.reward_drop_patience:
+            return None
+        key, n = self._name("reward_mean"), c.reward_drop_window
+        what = key if n == 1 else f"{key} mean over the last {n} iterations"
+        msg = (f"{what} {now:.4g} below {1 - c.reward_drop_fraction:g} x its best healthy value {best:.4g} "
+               f"for {self._counters['reward_drop']} iterations: the reward is falling")
+        return _Hit("critical", msg, key, self._window("reward_mean", max(n, c.reward_drop_patience)),
+                    {"best_healthy_reward": best, "line": line, "fraction": c.reward_drop_fraction, "window": n})
 
 
 def run_detector(records, cfg: Any = None) -> list[Alert]:

@@ -409,3 +409,58 @@ def test_sustained_kl_window_is_validated_by_name():
         load_config(overrides=["monitor.kl_sustained_window=0"])
     with pytest.raises(ConfigError, match="monitor.kl_sustained_threshold must be > 0"):
         load_config(overrides=["monitor.kl_sustained_threshold=-0.1"])
+
+
+def test_reward_drop_is_critical_after_its_patience_on_the_rule_track():
+    cfg = MonitorConfig(reward_drop_fraction=0.4, reward_drop_patience=2, reward_drop_window=1, collapse_confirm_steps=1)
+    rewards = [0.4, 0.5, 0.45, 0.25, 0.2, 0.1]  # best healthy 0.5: the line is 0.3
+    recs = [{"iteration": i, "reward_mean": 0.9, "reward_base_mean": r} for i, r in enumerate(rewards)]
+    det = CollapseDetector(cfg)
+    alerts = [a for r in recs for a in det.update(r)]
+    # below the line at 3 and 4: critical (and confirmed) on the second iteration below it
+    assert [(a.rule, a.iteration, a.severity, a.confirmed, a.metric) for a in alerts] == [
+        ("reward_drop", 4, "critical", True, "reward_base_mean")]
+    assert alerts[0].details["best_healthy_reward"] == 0.5 and abs(alerts[0].details["line"] - 0.3) < 1e-12
+    # the iteration under the line whose patience had not run out is no rollback target
+    assert det.last_healthy_iteration == 2
+    # a dip of one iteration restarts the count; a reward that stays above the line raises nothing
+    dip = [dict(r, reward_base_mean=v) for r, v in zip(recs, [0.4, 0.5, 0.2, 0.45, 0.2, 0.45])]
+    assert run_detector(dip, cfg) == []
+    assert run_detector([dict(r, reward_base_mean=v) for r, v in zip(recs, [0.4, 0.5, 0.4, 0.35, 0.31, 0.32])],
+                        cfg) == []
+    # off by default (null), and silent while the best healthy reward is not positive
+    assert MonitorConfig().reward_drop_fraction is None and run_detector(recs, MonitorConfig()) == []
+    negative = [{"iteration": i, "reward_mean": r} for i, r in enumerate([-0.5, -0.2, -0.9, -1.0, -1.0])]
+    assert run_detector(negative, cfg) == []
+
+
+def test_reward_drop_advises_rollback_to_before_the_drop():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_patience=1, reward_drop_window=1, collapse_confirm_steps=1)
+    alerts = run_detector([{"iteration": i, "reward_mean": r} for i, r in enumerate([0.6, 0.7, 0.3])], cfg)
+    assert [(a.rule, a.iteration, a.confirmed) for a in alerts] == [("reward_drop", 2, True)]
+    advice = ControlPolicy(MonitorConfig(control_enabled=True)).decide(alerts[0], alerts[0].details["last_healthy_iteration"])
+    assert advice.action == "rollback" and advice.to_iteration == 1
+
+
+def test_reward_drop_reads_the_trailing_mean_against_its_best_healthy_value():
+    """With a window of 3, one noisy low iteration moves the trailing mean by a third of its dip, and the
+    line is drawn under the best trailing mean, not under the single best iteration."""
+    cfg = MonitorConfig(reward_drop_fraction=0.4, reward_drop_patience=1, reward_drop_window=3, collapse_confirm_steps=1)
+    noisy = [0.3, 0.5, 0.3, 0.15, 0.35, 0.3, 0.2, 0.4]  # best trailing mean 0.3667: the line is 0.22
+    assert run_detector([{"iteration": i, "reward_mean": r} for i, r in enumerate(noisy)], cfg) == []
+    raw = dataclasses.replace(cfg, reward_drop_window=1)  # read per iteration: 0.15 and 0.2 < 0.6 x 0.5
+    assert [(a.rule, a.iteration) for a in run_detector([{"iteration": i, "reward_mean": r}
+                                                         for i, r in enumerate(noisy)], raw)] == [("reward_drop", 3), ("reward_drop", 6)]
+    sinking = noisy[:6] + [0.15, 0.1, 0.1]  # trailing means 0.2167 at 7: under the line
+    alerts = run_detector([{"iteration": i, "reward_mean": r} for i, r in enumerate(sinking)], cfg)
+    assert [(a.rule, a.iteration, a.confirmed) for a in alerts] == [("reward_drop", 7, True)]
+    assert abs(alerts[0].details["best_healthy_reward"] - 1.1 / 3) < 1e-9 and alerts[0].details["window"] == 3
+    assert "mean over the last 3 iterations" in alerts[0].message
+
+
+@pytest.mark.parametrize("override, message", [("monitor.reward_drop_fraction=1.0", "must be in \\(0, 1\\) or null"),
+                                               ("monitor.reward_drop_patience=0", "must be >= 1"),
+                                               ("monitor.reward_drop_window=0", "must be >= 1")])
+def test_reward_drop_settings_are_validated_by_name(override, message):
+    with pytest.raises(ConfigError, match=f"monitor.{override.split('.')[1].split('=')[0]} {message}"):
+        load_config(overrides=[override])
