@@ -152,13 +152,13 @@ class MonitorConfig:
     """...as does a zero-variance group fraction at or above this..."""
     reward_collapse_patience: int = 5
     """...for this many consecutive steps."""
-    reward_drop_fraction: Optional[float] = None
+    reward_drop_fraction: Optional[float] = 0.5
     """reward_drop is critical (confirmable) when the mean of the last `reward_drop_window` (rule-track)
     rewards has been below (1 - this) x its best value at a healthy iteration for `reward_drop_patience`
     consecutive iterations, while that best is positive (a fraction of a zero or negative best means
     nothing). A reactive rule: it reads the reward's level, the quantity a collapse is defined by. None
     disables."""
-    reward_drop_patience: int = 2
+    reward_drop_patience: int = 1
     """Consecutive iterations the reward must stay below the reward_drop line."""
     reward_drop_window: int = 3
     """Iterations in the trailing reward mean that reward_drop reads (1: each iteration's own reward)."""

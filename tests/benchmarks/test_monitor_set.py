@@ -212,8 +212,8 @@ def test_evaluate_command_on_a_committed_subset(tmp_path):
 
 
 #: The detector values of the fourth and the fifth calibration (the defaults their readings were made with).
-FOURTH = {"kl_critical_threshold": 1.0, "kl_sustained_window": 3, "kl_one_step_factor": 1.0}
-FIFTH = {"kl_critical_threshold": 0.5, "kl_sustained_window": 2, "kl_one_step_factor": 3.0}
+FOURTH = {"kl_critical_threshold": 1.0, "kl_sustained_window": 3, "kl_one_step_factor": 1.0, "reward_drop_fraction": None}
+FIFTH = {"kl_critical_threshold": 0.5, "kl_sustained_window": 2, "kl_one_step_factor": 3.0, "reward_drop_fraction": None}
 
 
 def _reported_readings() -> list[dict]:

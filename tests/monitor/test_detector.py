@@ -428,8 +428,8 @@ def test_reward_drop_is_critical_after_its_patience_on_the_rule_track():
     assert run_detector(dip, cfg) == []
     assert run_detector([dict(r, reward_base_mean=v) for r, v in zip(recs, [0.4, 0.5, 0.4, 0.35, 0.31, 0.32])],
                         cfg) == []
-    # off by default (null), and silent while the best healthy reward is not positive
-    assert MonitorConfig().reward_drop_fraction is None and run_detector(recs, MonitorConfig()) == []
+    # off by null, and silent while the best healthy reward is not positive
+    assert run_detector(recs, dataclasses.replace(cfg, reward_drop_fraction=None)) == []
     negative = [{"iteration": i, "reward_mean": r} for i, r in enumerate([-0.5, -0.2, -0.9, -1.0, -1.0])]
     assert run_detector(negative, cfg) == []
 

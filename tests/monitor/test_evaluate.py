@@ -59,8 +59,8 @@ def test_scores_a_detected_collapse_and_a_quiet_healthy_run(tmp_path):
     assert c1.first_confirmed is not None and c1.first_confirmed <= 16 and c1.detected and c1.lead >= 1
     assert s["recall"] == 1.0 and s["precision"] == 1.0 and s["healthy_critical"] == 0
     assert s["median_lead_iterations"] == c1.lead
-    # a detector whose band is too wide to see it misses it
-    _, blind = evaluate(folder, MonitorConfig(entropy_band=(0.5, 9.0), entropy_jump=100.0))
+    # a detector whose band is too wide to see it, and that does not read the reward level, misses it
+    _, blind = evaluate(folder, MonitorConfig(entropy_band=(0.5, 9.0), entropy_jump=100.0, reward_drop_fraction=None))
     assert blind["recall"] == 0.0
 
 
