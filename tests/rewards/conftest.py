@@ -11,6 +11,14 @@ from dpcc_megatron.rewards.sandbox import SandboxLimits
 
 @pytest.fixture
 def ctx() -> CheckContext:
+    """A sandbox whose timeout a correct program never meets, even on a loaded 2-core machine (a test
+    of the timeout itself uses :func:`short_ctx`)."""
+    return CheckContext(sandbox=SandboxLimits(timeout_s=20.0, memory_mb=512))
+
+
+@pytest.fixture
+def short_ctx() -> CheckContext:
+    """A 1.5 s sandbox timeout, for the tests that run into it on purpose."""
     return CheckContext(sandbox=SandboxLimits(timeout_s=1.5, memory_mb=512))
 
 
