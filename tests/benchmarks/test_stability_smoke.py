@@ -3,6 +3,7 @@ grid, the cache that makes it resumable, the report, and the detector flagging a
 
 Budget: one 40-step warm-start and three 5-iteration runs, one process each (~2-3 min on 2 cores).
 """
+import dataclasses
 import json
 import subprocess
 import sys
@@ -57,7 +58,11 @@ def test_verdict_reports_what_the_products_detector_confirms():
     v = collapse_verdict(healthy + stuck, cfg)
     # the curve rule: entropy out of the band from iteration 3 (the reward halves for good at 4)
     assert v["collapsed"] and v["collapse_rule"] == "entropy_band" and v["collapse_iteration"] == 3
-    # the detector: below the band from iteration 3, patience 3 -> critical (and confirmed) at 5
+    # the detector: the trailing 3-iteration reward (0.5, 0.05, 0.05: 0.2) under half its best healthy
+    # value (0.5) at 4 -> reward_drop confirmed there
+    assert v["detector_confirmed"] == "reward_drop" and v["detector_confirmed_iteration"] == 4
+    # without that rule: below the band from iteration 3, patience 3 -> critical (and confirmed) at 5
+    v = collapse_verdict(healthy + stuck, dataclasses.replace(cfg, reward_drop_fraction=None))
     assert v["detector_confirmed"] == "low_entropy" and v["detector_confirmed_iteration"] == 5
     assert collapse_verdict(healthy, cfg)["detector_confirmed"] is None
 
