@@ -128,6 +128,18 @@ def test_committed_fifth_heldout_part_matches_its_labels_and_seeds():
         assert x["seed"] in (47, 48) if x["family"] in {f.name for f in FAMILIES} else 701 <= x["seed"] <= 806
 
 
+def test_committed_sixth_heldout_part_matches_its_labels_and_seeds():
+    labels = read_labels(LABELLED.parent / "labelled-sixth")
+    assert {x["split"] for x in labels} == {"heldout"} and len(labels) == 184
+    fams = {x["family"] for x in labels}
+    assert {f.name for f in FAMILIES} < fams and {"grid-addition1-1step", "grid-sorting3-2step-4layer"} < fams
+    for x in labels:
+        _relabel_matches(x)
+        # family runs at the held-out seeds 49-50; the grids at seeds no earlier part uses
+        assert x["seed"] in HELDOUT_SEEDS if x["family"] in {f.name for f in FAMILIES} else \
+            (713 <= x["seed"] <= 724 or 807 <= x["seed"] <= 812)
+
+
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
     run = folder / "runs" / name
     run.mkdir(parents=True)
@@ -214,6 +226,7 @@ def test_evaluate_command_on_a_committed_subset(tmp_path):
 #: The detector values of the fourth and the fifth calibration (the defaults their readings were made with).
 FOURTH = {"kl_critical_threshold": 1.0, "kl_sustained_window": 3, "kl_one_step_factor": 1.0, "reward_drop_fraction": None}
 FIFTH = {"kl_critical_threshold": 0.5, "kl_sustained_window": 2, "kl_one_step_factor": 3.0, "reward_drop_fraction": None}
+SIXTH = {**FIFTH, "reward_drop_fraction": 0.5, "reward_drop_patience": 1, "reward_drop_window": 3}
 
 
 def _reported_readings() -> list[dict]:
@@ -241,12 +254,15 @@ def test_committed_readings_reproduce(tmp_path):
     from dpcc_megatron.monitor.evaluate import evaluate
 
     reported = _reported_readings()
-    readings = [(LABELLED.parent / "labelled-fifth", FIFTH),
+    readings = [(LABELLED.parent / "labelled-sixth", SIXTH), (LABELLED.parent / "labelled-sixth", FIFTH),
+                (LABELLED.parent / "labelled-fifth", FIFTH),
                 (LABELLED.parent / "labelled-grids", FOURTH), (LABELLED.parent / "labelled-onestep", FOURTH),
                 (_seeds_only(LABELLED, tmp_path, (45, 46)), FOURTH)]
     for folder, values in readings:
         cfg = dataclasses.replace(MonitorConfig(), **values)
         _, scores = evaluate(folder, cfg, "heldout")
         assert scores in reported, (folder.name, scores)
+    # the shipped defaults are the sixth calibration's choice
+    assert all(getattr(MonitorConfig(), k) == v for k, v in SIXTH.items())
     # and the readings differ: a score line that matched anything would not be a check
-    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 4
+    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 6
