@@ -162,6 +162,10 @@ class MonitorConfig:
     """Consecutive iterations the reward must stay below the reward_drop line."""
     reward_drop_window: int = 3
     """Iterations in the trailing reward mean that reward_drop reads (1: each iteration's own reward)."""
+    reward_drop_min_best: float = 0.05
+    """reward_drop acts only once the best healthy trailing reward reaches this (in the reward's units; a
+    pass rate here): half of a best of a few percent is within the sampling noise of one iteration's
+    mean, and a run that has barely started to learn has nothing to roll back to."""
     collapse_confirm_steps: int = 1
     """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
     alert_cooldown: int = 10
@@ -273,6 +277,8 @@ class MonitorConfig:
               f"must be in (0, 1) or null, got {self.reward_drop_fraction}")
         check(self.reward_drop_patience >= 1, "reward_drop_patience", f"must be >= 1, got {self.reward_drop_patience}")
         check(self.reward_drop_window >= 1, "reward_drop_window", f"must be >= 1, got {self.reward_drop_window}")
+        check(math.isfinite(self.reward_drop_min_best) and self.reward_drop_min_best >= 0, "reward_drop_min_best",
+              f"must be a finite number >= 0, got {self.reward_drop_min_best}")
         check(self.collapse_confirm_steps >= 1, "collapse_confirm_steps",
               f"must be >= 1, got {self.collapse_confirm_steps}")
         check(self.alert_cooldown >= 1, "alert_cooldown", f"must be >= 1, got {self.alert_cooldown}")

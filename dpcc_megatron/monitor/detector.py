@@ -38,8 +38,8 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   (warning; off unless the threshold is set).
 - ``reward_drop``   the mean of the last ``reward_drop_window`` rewards below
   ``(1 - reward_drop_fraction) x`` its best value at a healthy iteration, for
-  ``reward_drop_patience`` consecutive iterations, while that best is positive (critical; off
-  unless the fraction is set). Reactive: it reads the reward's level itself.
+  ``reward_drop_patience`` consecutive iterations, once that best is positive and at least
+  ``reward_drop_min_best`` (critical; off when the fraction is null). Reactive: it reads the reward's level itself.
 
 A rule alerts when its condition starts to hold, again after ``alert_cooldown``
 iterations while it keeps holding, and again when its severity escalates. A critical
@@ -534,7 +534,7 @@ class CollapseDetector:
     def _rule_reward_drop(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c, best = self.cfg, self.best_healthy_reward_trailing
         now = self._trailing_reward() if is_finite(rec.get("reward_mean")) else None
-        if c.reward_drop_fraction is None or best is None or best <= 0 or now is None:
+        if c.reward_drop_fraction is None or best is None or best <= 0 or best < c.reward_drop_min_best or now is None:
             self._counters["reward_drop"] = 0
             return None
         line = (1.0 - c.reward_drop_fraction) * best

@@ -458,9 +458,23 @@ def test_reward_drop_reads_the_trailing_mean_against_its_best_healthy_value():
     assert "mean over the last 3 iterations" in alerts[0].message
 
 
+def test_reward_drop_waits_for_a_best_reward_above_the_noise_floor():
+    """A run that has barely started to learn (best trailing pass rate 4%) falling to 1%: noise, no alert
+    (no rollback advice) under the default floor of 0.05; the same shape scaled up is a drop."""
+    cfg = MonitorConfig(collapse_confirm_steps=1)
+    tiny = [0.03, 0.05, 0.04, 0.03, 0.0, 0.0, 0.01]
+    assert run_detector([{"iteration": i, "reward_mean": r} for i, r in enumerate(tiny)], cfg) == []
+    loose = dataclasses.replace(cfg, reward_drop_min_best=0.0)
+    assert {a.rule for a in run_detector([{"iteration": i, "reward_mean": r} for i, r in enumerate(tiny)], loose)} \
+        == {"reward_drop"}
+    assert {a.rule for a in run_detector([{"iteration": i, "reward_mean": 10 * r} for i, r in enumerate(tiny)], cfg)} \
+        == {"reward_drop"}
+
+
 @pytest.mark.parametrize("override, message", [("monitor.reward_drop_fraction=1.0", "must be in \\(0, 1\\) or null"),
                                                ("monitor.reward_drop_patience=0", "must be >= 1"),
-                                               ("monitor.reward_drop_window=0", "must be >= 1")])
+                                               ("monitor.reward_drop_window=0", "must be >= 1"),
+                                               ("monitor.reward_drop_min_best=-1", "must be a finite number >= 0")])
 def test_reward_drop_settings_are_validated_by_name(override, message):
     with pytest.raises(ConfigError, match=f"monitor.{override.split('.')[1].split('=')[0]} {message}"):
         load_config(overrides=[override])
