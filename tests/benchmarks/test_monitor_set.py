@@ -117,27 +117,21 @@ def test_committed_grid_sets_match_their_labels_and_steps(name):
         assert all(r["optimizer_steps"] == steps for r in records), x["stream"]
 
 
-def test_committed_fifth_heldout_part_matches_its_labels_and_seeds():
-    labels = read_labels(LABELLED.parent / "labelled-fifth")
+#: The fresh held-out parts of the fifth and sixth calibrations: folder, the families' seeds, the grids' seeds
+#: (none of which an earlier part used).
+HELDOUT_PARTS = [("labelled-fifth", (47, 48), set(range(701, 713)) | set(range(801, 807))),
+                 ("labelled-sixth", HELDOUT_SEEDS, set(range(713, 725)) | set(range(807, 813)))]
+
+
+@pytest.mark.parametrize("folder, family_seeds, grid_seeds", HELDOUT_PARTS, ids=[p[0] for p in HELDOUT_PARTS])
+def test_committed_heldout_parts_match_their_labels_and_seeds(folder, family_seeds, grid_seeds):
+    labels = read_labels(LABELLED.parent / folder)
     assert {x["split"] for x in labels} == {"heldout"} and len(labels) == 184
     fams = {x["family"] for x in labels}
     assert {f.name for f in FAMILIES} < fams and {"grid-addition1-1step", "grid-sorting3-2step-4layer"} < fams
     for x in labels:
         _relabel_matches(x)
-        # family runs at the held-out seeds 47-48; the grids at seeds no other part uses
-        assert x["seed"] in (47, 48) if x["family"] in {f.name for f in FAMILIES} else 701 <= x["seed"] <= 806
-
-
-def test_committed_sixth_heldout_part_matches_its_labels_and_seeds():
-    labels = read_labels(LABELLED.parent / "labelled-sixth")
-    assert {x["split"] for x in labels} == {"heldout"} and len(labels) == 184
-    fams = {x["family"] for x in labels}
-    assert {f.name for f in FAMILIES} < fams and {"grid-addition1-1step", "grid-sorting3-2step-4layer"} < fams
-    for x in labels:
-        _relabel_matches(x)
-        # family runs at the held-out seeds 49-50; the grids at seeds no earlier part uses
-        assert x["seed"] in HELDOUT_SEEDS if x["family"] in {f.name for f in FAMILIES} else \
-            (713 <= x["seed"] <= 724 or 807 <= x["seed"] <= 812)
+        assert x["seed"] in (family_seeds if x["family"] in {f.name for f in FAMILIES} else grid_seeds), x["stream"]
 
 
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
