@@ -4,6 +4,7 @@
         [--tensorboard DIR] [--alerts-jsonl PATH] [--webhook URL] [--config JOB.yaml] [--ready-file F]
     dpcc-megatron monitor replay --input metrics.jsonl [--config JOB.yaml] [-o monitor.kl_threshold=0.5]
     dpcc-megatron monitor evaluate --labelled benchmarks/monitor/labelled [--split heldout|dev|all]
+        [--seeds 49,50] [--family PREFIX ...]
     dpcc-megatron monitor report --db runs/x/monitor.sqlite --out report.png|report.html [--run-id R]
 
 The token comes from --token or $DPCC_MONITOR_TOKEN (else the config's, else a random
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--labelled", required=True, metavar="DIR", help="folder with labels.jsonl and the streams")
     p.add_argument("--split", default="heldout", choices=["dev", "heldout", "all"],
                    help="which labelled streams to replay (default: heldout)")
+    p.add_argument("--seeds", default=None, metavar="S1,S2",
+                   help="only the streams of these seeds (a comma list; the labels' seed field)")
+    p.add_argument("--family", action="append", default=None, metavar="PREFIX",
+                   help="only the streams whose family starts with PREFIX (repeatable: any of them)")
     p.add_argument("--config", default=None, metavar="CONFIG.yaml", help="job config (its monitor section)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. monitor.kl_threshold=0.5 (repeatable)")
@@ -166,11 +171,19 @@ def _replay(args) -> int:
 def _evaluate(args) -> int:
     from ..monitor.evaluate import LabelError, evaluate
 
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = {int(x) for x in args.seeds.split(",")}
+        except ValueError:
+            print(f"error: --seeds: a comma list of integers, got {args.seeds!r}", file=sys.stderr)
+            return 2
     cfg = _monitor_cfg(args.config, args.override)
     if cfg is None:
         return 2
     try:
-        results, scores = evaluate(args.labelled, cfg, None if args.split == "all" else args.split)
+        results, scores = evaluate(args.labelled, cfg, None if args.split == "all" else args.split, seeds,
+                                   args.family)
     except LabelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

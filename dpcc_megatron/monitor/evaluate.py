@@ -202,14 +202,23 @@ def score(results: list[StreamResult]) -> dict:
     }
 
 
-def labelled_streams(folder: str | Path, split: Optional[str] = "heldout") -> list[tuple[str, str, list[dict]]]:
-    """(stream name, label, records) of every stream of ``split`` (None: all) in a labelled set."""
-    labels = [x for x in read_labels(folder) if split is None or x["split"] == split]
+def labelled_streams(folder: str | Path, split: Optional[str] = "heldout", seeds: Optional[set] = None,
+                     families: Optional[list] = None) -> list[tuple[str, str, list[dict]]]:
+    """(stream name, label, records) of every stream of ``split`` (None: all) in a labelled set; with
+    ``seeds``, only streams whose label's ``seed`` is one of them; with ``families``, only streams whose
+    label's ``family`` starts with one of those prefixes."""
+    labels = [x for x in read_labels(folder) if (split is None or x["split"] == split)
+              and (seeds is None or x.get("seed") in seeds)
+              and (families is None or any(str(x.get("family", "")).startswith(f) for f in families))]
     if not labels:
-        raise LabelError(f"{folder}: no streams in split {split!r}")
+        what = [f"split {split!r}"] + ([f"seeds {sorted(seeds)}"] if seeds is not None else []) + \
+            ([f"families {list(families)}"] if families is not None else [])
+        raise LabelError(f"{folder}: no streams in {', '.join(what)}")
     return [(str(x["stream"]), x["label"], read_stream(x["path"])) for x in labels]
 
 
-def evaluate(folder: str | Path, cfg: Any, split: Optional[str] = "heldout") -> tuple[list[StreamResult], dict]:
-    results = [replay(records, cfg, name, label) for name, label, records in labelled_streams(folder, split)]
+def evaluate(folder: str | Path, cfg: Any, split: Optional[str] = "heldout", seeds: Optional[set] = None,
+             families: Optional[list] = None) -> tuple[list[StreamResult], dict]:
+    results = [replay(records, cfg, name, label)
+               for name, label, records in labelled_streams(folder, split, seeds, families)]
     return results, score(results)

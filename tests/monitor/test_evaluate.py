@@ -103,3 +103,26 @@ def test_cli_prints_the_table_and_one_json_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled",
                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "labels.jsonl" in bad.stderr
+
+
+def test_seeds_and_family_filters_pick_the_streams_of_one_part(tmp_path):
+    folder = _write(tmp_path, {"c1": (_entropy_collapse(), "collapse", "heldout"), "h1": (_healthy(), "healthy", "heldout"),
+                               "h2": (_healthy(), "healthy", "heldout")})
+    extra = {"c1.jsonl": {"seed": 7, "family": "grid-addition1-1step"}, "h1.jsonl": {"seed": 7, "family": "learn"},
+             "h2.jsonl": {"seed": 8, "family": "grid-addition1-2step"}}
+    lines = [json.loads(line) for line in (folder / "labels.jsonl").read_text().splitlines()]
+    (folder / "labels.jsonl").write_text("\n".join(json.dumps({**x, **extra[x["stream"]]}) for x in lines) + "\n")
+    cfg = MonitorConfig(entropy_band=(1.5, 2.5))
+    names = lambda **kw: [r.name for r in evaluate(folder, cfg, **kw)[0]]  # noqa: E731
+    assert names() == ["c1.jsonl", "h1.jsonl", "h2.jsonl"]
+    assert names(seeds={7}) == ["c1.jsonl", "h1.jsonl"]
+    assert names(families=["grid-addition1"]) == ["c1.jsonl", "h2.jsonl"]
+    assert names(seeds={7}, families=["grid-", "learn"]) == ["c1.jsonl", "h1.jsonl"]
+    with pytest.raises(LabelError, match=r"no streams in split 'heldout', seeds \[9\]"):
+        evaluate(folder, cfg, seeds={9})
+    cli = [sys.executable, "-m", "dpcc_megatron.cli", "monitor", "evaluate", "--labelled", str(folder)]
+    out = subprocess.run(cli + ["--seeds", "8", "--family", "grid-"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["streams"] == 1 and "h2.jsonl" in out.stdout
+    bad = subprocess.run(cli + ["--seeds", "8,x"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--seeds: a comma list of integers" in bad.stderr
