@@ -111,7 +111,8 @@ def rank(row) -> tuple:
     """Largest J first (rounded to 3 decimals); then whether the median lead reaches the target (3
     iterations); then the most cautious setting (longest confirmation, longest patience, widest band,
     highest KL thresholds or none, the reward-drop rule off or else its largest fraction, longest
-    patience and longest window, largest grad-spike factor, smallest reward gain that counts as mastering), so the margin against false alarms on runs the dev part does not have is as large as
+    patience and longest window, largest grad-spike factor, smallest reward gain that counts as
+    mastering), so the margin against false alarms on runs the dev part does not have is as large as
     the dev part allows; then fewest warnings, longest lead."""
     _, ov, s = row
     lo, hi = ov.get("entropy_band_relative") or (0.0, 99.0)

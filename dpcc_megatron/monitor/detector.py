@@ -110,7 +110,7 @@ class CollapseDetector:
         self._hist_len = max(c.kl_window, c.kl_sustained_window, c.entropy_jump_window,
                              c.grad_spike_window + 1,
                              c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps,
-                             c.reward_drop_patience + c.reward_drop_window, 2)
+                             c.reward_drop_patience, c.reward_drop_window, 2)
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
         self.band_source: Optional[str] = "config" if self.band is not None else None
         self._calib: list[float] = []
@@ -126,6 +126,8 @@ class CollapseDetector:
         self.ignored_out_of_order = 0
         self._judged: dict[str, str] = {}
         self._mastered = False
+        self._trailing: Optional[float] = None
+        """This record's trailing reward mean (``_trailing_reward``), read by reward_drop and the healthy update."""
         self._reset_windows()
 
     # ------------------------------------------------------------------ state
@@ -232,6 +234,7 @@ class CollapseDetector:
             if is_finite(v):
                 self._hist[k].append((it, float(v)))
 
+        self._trailing = self._trailing_reward() if is_finite(vals["reward_mean"]) else None
         hits: dict[str, _Hit] = {}
         self._mastered = False
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
@@ -252,10 +255,9 @@ class CollapseDetector:
             r = record.get("reward_mean")
             if is_finite(r) and (self.best_healthy_reward is None or r > self.best_healthy_reward):
                 self.best_healthy_reward = float(r)
-            trailing = self._trailing_reward()
-            if trailing is not None and (self.best_healthy_reward_trailing is None
-                                         or trailing > self.best_healthy_reward_trailing):
-                self.best_healthy_reward_trailing = trailing
+            if self._trailing is not None and (self.best_healthy_reward_trailing is None
+                                               or self._trailing > self.best_healthy_reward_trailing):
+                self.best_healthy_reward_trailing = self._trailing
             if is_finite(r) and not self._mastered:
                 self.healthy_reward_sum += float(r)
                 self.healthy_reward_n += 1
@@ -532,9 +534,8 @@ class CollapseDetector:
         return statistics.fmean(recent) if len(recent) == n else None
 
     def _rule_reward_drop(self, rec: Mapping, it: int) -> Optional[_Hit]:
-        c, best = self.cfg, self.best_healthy_reward_trailing
-        now = self._trailing_reward() if is_finite(rec.get("reward_mean")) else None
-        if c.reward_drop_fraction is None or best is None or best <= 0 or best < c.reward_drop_min_best or now is None:
+        c, best, now = self.cfg, self.best_healthy_reward_trailing, self._trailing
+        if c.reward_drop_fraction is None or now is None or best is None or best <= 0 or best < c.reward_drop_min_best:
             self._counters["reward_drop"] = 0
             return None
         line = (1.0 - c.reward_drop_fraction) * best
