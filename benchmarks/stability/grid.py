@@ -72,6 +72,8 @@ def testbed(task: str, digits: int, steps_per_iteration: int, prompts: int | Non
 
 EARLY_PHASE_STEPS = "<early-phase steps>"
 """Placeholder resolved per grid to DPCC's early phase in optimizer steps (20% of the run)."""
+RUN_CHECKPOINTS = "<run checkpoints>"
+"""Placeholder resolved per run to a checkpoint folder inside the run's own folder (run.py)."""
 
 _RULE_ONLY_REWARD = {"reward.base_weight": 1.0, "reward.advanced_weight": 0.0}
 # The trainer applies drift-aware LR to the dpcc loss only; baselines also say so explicitly.
@@ -110,6 +112,10 @@ METHODS: dict[str, dict] = {
     # The full system: the default with the monitor's control advice acting (the local detector's
     # LR cuts; no sidecar), to show what control adds. Not part of the algorithm comparison.
     "dpcc-full-system": {"loss.name": "dpcc", "monitor.control_enabled": True},
+    # The same with checkpoints every iteration, so a confirmed collapse rolls back (to the last
+    # healthy iteration, or to the start before any) instead of pausing (deep-rollback.md).
+    "dpcc-full-system-rollback": {"loss.name": "dpcc", "monitor.control_enabled": True,
+                                  "checkpoint.dir": RUN_CHECKPOINTS, "checkpoint.save_interval": 1},
 }
 
 #: The core comparison (issue: <= 4 h at --jobs 2 for 16 seeds x 3 LRs).

@@ -87,11 +87,27 @@ def collapse_verdict(records: list[dict], monitor_cfg, stop_reason: str = "") ->
     return verdict
 
 
+def final_branch(records: list[dict]) -> list[dict]:
+    """The records of the iterations that made the final weights. After a rollback the trainer
+    logs iterations again from the checkpoint it went back to; the abandoned ones are dropped."""
+    kept: list[dict] = []
+    for r in records:
+        it = int(r["iteration"])
+        while kept and int(kept[-1]["iteration"]) >= it:
+            kept.pop()
+        kept.append(r)
+    return kept
+
+
 def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float, wall_s: float,
                  evals: Optional[list[dict]] = None) -> dict:
     """Everything the analysis needs from one run. ``evals`` are the trainer's held-out eval records
-    (``eval.jsonl``): the first is the warm-started policy's, the last the final one's."""
+    (``eval.jsonl``): the first is the warm-started policy's, the last the final one's. A run that
+    rolled back is judged on its final branch (:func:`final_branch`); ``records_discarded`` counts
+    the iterations it abandoned."""
     evals = [e for e in (evals or []) if isinstance(e.get("pass_at_1"), (int, float))]
+    logged = len(records)
+    records = final_branch(records)
     base = [r.get("reward_base_mean", float("nan")) for r in records]
     tail = base[-5:]
     # An iteration whose groups all have zero reward variance has no advantage tokens: utilisation is
@@ -122,6 +138,8 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
         "kl_max": max(_finite(r.get("kl_old_new") for r in records), default=None),
         "entropy_curve": [r.get("entropy") for r in records],
         "steps_skipped": summary.get("steps_skipped"),
+        "rollbacks": summary.get("rollbacks", 0),
+        "records_discarded": logged - len(records),
         "wall_s": round(wall_s, 2),
         "train_s": round(sum(_finite(r.get("seconds") for r in records)), 2),
     }

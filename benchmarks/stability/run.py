@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .grid import (GRIDS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, steps_per_iteration,
+from .grid import (GRIDS, RUN_CHECKPOINTS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, steps_per_iteration,
                    testbed)
 
 RESULT_VERSION = 1
@@ -123,13 +124,22 @@ def resolved_dpcc(overrides: dict) -> dict | None:
     return json.loads(json.dumps(to_dict(loss.dpcc))) if loss.name == "dpcc" else None
 
 
+def run_config(overrides: dict, run_dir: Path, warm: Path) -> dict:
+    """One run's job: its overrides (a method's checkpoint placeholder -> ``run_dir/checkpoints``),
+    loading the shared warm start, with its logs in ``run_dir``."""
+    resolved = {k: str(run_dir / "checkpoints") if v == RUN_CHECKPOINTS else v for k, v in overrides.items()}
+    return build_config({**resolved, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
+
+
 def run_one(grid: Grid, method: str, lr: float, seed: int, out: Path, warm: Path, timeout_s: float) -> dict:
     """Train one (method, lr, seed), judge it, cache and return its result."""
     key = run_key(method, lr, seed, grid.sets)
     run_dir = out / "runs" / key
     overrides = run_overrides(grid, method, lr, seed)
-    cfg = build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
-    rc, wall, tail = train_once(cfg, run_dir, timeout_s)
+    ckpt = run_dir / "checkpoints"
+    shutil.rmtree(ckpt, ignore_errors=True)  # an earlier attempt's checkpoints must not be rolled back to
+    rc, wall, tail = train_once(run_config(overrides, run_dir, warm), run_dir, timeout_s)
+    shutil.rmtree(ckpt, ignore_errors=True)  # rollback targets only: the judge reads the logs
     result = {"version": RESULT_VERSION, "method": method, "lr": lr, "seed": seed, "overrides": overrides,
               "dpcc": resolved_dpcc(overrides), "exit_code": rc, "warm_start": warm_start_spec(grid)}
     if grid.sets:

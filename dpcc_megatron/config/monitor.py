@@ -198,7 +198,15 @@ class MonitorConfig:
     """After this many consecutive unacknowledged iterations the sidecar counts as down and the local
     detector gives the advice without waiting, until the sidecar answers again (logged both ways)."""
     rollback_on_collapse: bool = True
-    """A confirmed collapse advises rolling back to the last healthy iteration."""
+    """A confirmed collapse advises rolling back to the last healthy iteration (to the newest kept
+    checkpoint at or before it: the trainer keeps that one beyond `checkpoint.keep_last`). Needs
+    `checkpoint.dir`; without a checkpoint to go back to the advice becomes checkpoint_and_pause."""
+    rollback_to_start: bool = True
+    """A confirmed collapse before any healthy iteration (a first update that runs away) rolls back to
+    the weights the run started from, which the trainer then saves as iteration 0; false: pause."""
+    max_rollbacks: int = 3
+    """After this many rollbacks in one run, a further confirmed collapse pauses instead: each rollback
+    halves the LR scale, and a run that keeps collapsing needs a person, not a loop."""
     pause_on_collapse: bool = True
     """A confirmed collapse without rollback (disabled or no healthy iteration) advises checkpoint_and_pause."""
 
@@ -229,6 +237,8 @@ class MonitorConfig:
         check(self.advice_wait_s >= 0, "advice_wait_s", f"must be >= 0, got {self.advice_wait_s}")
         check(self.lr_recovery_iterations >= 0, "lr_recovery_iterations",
               f"must be >= 0, got {self.lr_recovery_iterations}")
+        check(self.max_rollbacks >= 1, "max_rollbacks",
+              f"must be >= 1, got {self.max_rollbacks} (monitor.rollback_on_collapse: false turns rollback off)")
         check(self.sidecar_down_after >= 1, "sidecar_down_after", f"must be >= 1, got {self.sidecar_down_after}")
         check(self.retry_max_backoff_s > 0, "retry_max_backoff_s", f"must be > 0, got {self.retry_max_backoff_s}")
         check(self.spool_max_bytes >= 0, "spool_max_bytes", f"must be >= 0, got {self.spool_max_bytes}")

@@ -116,7 +116,7 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, scheduler, trainer_state: dict,
                     keep_last: int = 2, local_state: Optional[dict] = None, extra=None,
-                    async_queue=None) -> Path:
+                    async_queue=None, protect: Optional[int] = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
     ``local_state`` (this rank's, e.g. the reward state) is written inside the checkpoint before
@@ -125,7 +125,11 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     ``load_sharded(loaded)``, such as the reference policy) is saved in the same checkpoint. With
     ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the shards are written in the background
     and the path does not exist until :func:`finalize_saves` has finalised the save; without it
-    everything is done when this returns."""
+    everything is done when this returns. ``protect``: also keep the newest checkpoint at or before
+    this iteration (the monitor's rollback target; see :func:`retire_old_checkpoints`). Without an
+    ``optimizer`` (the start of a run, before any step made Adam state) the checkpoint holds the
+    weights, scheduler and trainer state; its ``trainer_state.json`` says ``optimizer_saved: false``
+    and the loader then leaves the optimizer to the caller (a fresh one)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -154,6 +158,7 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     if _rank() == 0:  # serialised now: the trainer moves on before an asynchronous save finalises
         state = dict(trainer_state)
         state["iteration"] = iteration
+        state["optimizer_saved"] = optimizer is not None
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         text = json.dumps(state, indent=1, default=_json_default)
 
@@ -166,7 +171,7 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
             pointer_tmp = root / ".latest.tmp"
             pointer_tmp.write_text(name + "\n")
             os.replace(pointer_tmp, root / "latest")
-            retire_old_checkpoints(root, keep_last)
+            retire_old_checkpoints(root, keep_last, protect=protect)
         _barrier()
 
     if request is None:
@@ -255,20 +260,53 @@ def finalize_saves(async_queue, blocking: bool = False) -> list[int]:
 _deleters: list[threading.Thread] = []
 
 
-def retire_old_checkpoints(root: Path, keep_last: int) -> list[Path]:
-    """Rank 0: keep the newest ``keep_last`` complete checkpoints; rename the others to
-    ``.trash_<name>`` (cheap, atomic) and delete every ``.trash_*`` in a background thread, so no
-    rank waits on ``rmtree`` of a large checkpoint. Returns the renamed paths."""
+def retire_old_checkpoints(root: Path, keep_last: int, protect: Optional[int] = None) -> list[Path]:
+    """Rank 0: keep the newest ``keep_last`` complete checkpoints, and with ``protect`` also the
+    newest one at or before that iteration (the rollback target, which may be older than the
+    last ``keep_last``); rename the others to ``.trash_<name>`` (cheap, atomic) and delete every
+    ``.trash_*`` in a background thread, so no rank waits on ``rmtree`` of a large checkpoint.
+    Returns the renamed paths."""
     root = Path(root)
     done = sorted(p for p in root.glob("iter_*") if p.is_dir())
-    retired = [_to_trash(old) for old in done[:-keep_last]]
+    keep = set(done[-keep_last:])
+    if protect is not None:
+        target = [p for p in done if 0 <= _iteration_of(p) <= protect]
+        keep.update(target[-1:])
+    retired = [_to_trash(old) for old in done if old not in keep]
+    _delete_in_background(root)
+    return retired
+
+
+def retire_newer_than(root: Path, iteration: int) -> list[Path]:
+    """Rank 0, after a rollback to ``iteration``: retire the checkpoints of the abandoned branch
+    (those after it). Left in place they would count as the newest for ``keep_last`` (so the new
+    branch's saves would be retired first) and could be chosen by a later rollback. ``latest``
+    names the checkpoint rolled back to, so a run killed before its next save resumes there."""
+    root = Path(root)
+    newer = sorted(p for p in root.glob("iter_*") if p.is_dir() and _iteration_of(p) > iteration)
+    retired = [_to_trash(p) for p in newer]
+    name = f"iter_{iteration:07d}"
+    if retired and (root / name).is_dir():
+        pointer_tmp = root / ".latest.tmp"
+        pointer_tmp.write_text(name + "\n")
+        os.replace(pointer_tmp, root / "latest")
+    _delete_in_background(root)
+    return retired
+
+
+def _iteration_of(path: Path) -> int:
+    """The iteration in a checkpoint directory's name (``iter_0000012`` -> 12; -1 for other names)."""
+    digits = path.name[len("iter_"):]
+    return int(digits) if digits.isdigit() else -1
+
+
+def _delete_in_background(root: Path) -> None:
     leftovers = sorted(root.glob(".trash_*"))
     if leftovers:
         t = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in leftovers],
                              name="dpcc-checkpoint-delete", daemon=True)
         t.start()
         _deleters.append(t)
-    return retired
 
 
 def _to_trash(path: Path) -> Path:
@@ -329,7 +367,9 @@ def _unshare_step_counters(optimizer) -> None:
 
 
 def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dict, extra=None) -> dict:
-    """Collective. Loads weights, optimizer, scheduler, RNG and ``extra``; returns the trainer state."""
+    """Collective. Loads weights, optimizer, scheduler, RNG and ``extra``; returns the trainer state.
+    A checkpoint saved without optimizer state (``optimizer_saved: false``) leaves ``optimizer`` as it
+    is: build a fresh one after this call, from the loaded weights."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -338,6 +378,8 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dic
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}/trainer_state.json is unreadable: {e}") from None
     check_compatible(state, current)
+    if state.get("optimizer_saved") is False:  # saved before any step: the caller builds a fresh optimizer
+        optimizer = None
     if optimizer is not None:
         _materialise_optimizer_state(optimizer)
     sharded = _sharded_state(chunks, optimizer, is_loading=True, extra=extra)

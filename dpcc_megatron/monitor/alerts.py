@@ -8,7 +8,9 @@ alert                                      advice
 ``kl_drift`` (any severity)                ``reduce_lr(factor)`` at once
 ``high_entropy`` (any severity)            ``reduce_lr(factor)`` at once
 confirmed collapse (``confirmed=True``)    ``rollback(to_iteration=last healthy iteration)``
-                                           when ``rollback_on_collapse`` and one is known,
+                                           when ``rollback_on_collapse`` and one is known;
+                                           before any healthy iteration ``rollback(0)``
+                                           (the run's start) when ``rollback_to_start``;
                                            else ``checkpoint_and_pause`` when
                                            ``pause_on_collapse``, else nothing
 anything else                              nothing (log / sinks only)
@@ -135,14 +137,16 @@ class ControlPolicy:
         self.factor = float(getattr(cfg, "reduce_lr_factor", 0.5))
         self.rollback = bool(getattr(cfg, "rollback_on_collapse", True))
         self.pause = bool(getattr(cfg, "pause_on_collapse", True))
+        self.to_start = bool(getattr(cfg, "rollback_to_start", True))
 
     def decide(self, alert: Alert, last_healthy: Optional[int]) -> Optional[ControlAdvice]:
         if not self.enabled:
             return None
         common = dict(iteration=alert.iteration, rules=[alert.rule], reason=str(alert), run_id=alert.run_id)
         if alert.confirmed:
-            if self.rollback and last_healthy is not None:
-                return ControlAdvice(action="rollback", to_iteration=int(last_healthy), **common)
+            if self.rollback and (last_healthy is not None or self.to_start):
+                target = 0 if last_healthy is None else int(last_healthy)
+                return ControlAdvice(action="rollback", to_iteration=target, **common)
             if self.pause:
                 return ControlAdvice(action="checkpoint_and_pause", **common)
             return None

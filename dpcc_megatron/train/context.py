@@ -111,7 +111,8 @@ class RunContext:
                 "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
                 "data_parallel_size": self.dp, "use_distributed_optimizer": p.use_distributed_optimizer}
 
-    def save(self, iteration: int, controller, summary: dict, control=None) -> None:
+    def save(self, iteration: int, controller, summary: dict, control=None, weights_only: bool = False) -> None:
+        """Collective checkpoint of this iteration; ``weights_only`` before the first optimizer step."""
         from ..megatron.checkpoint import save_checkpoint
 
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
@@ -123,12 +124,39 @@ class RunContext:
         local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
         # One asynchronous save in flight at a time: its host copy of the shards is freed first.
         self.finalize_saves(blocking=True)
-        path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks, self.optimizer, self.scheduler,
+        path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks,
+                               None if weights_only else self.optimizer, self.scheduler,
                                state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
-                               extra=self.reference, async_queue=self.ckpt_queue)
+                               extra=self.reference, async_queue=self.ckpt_queue, protect=self.rollback_target())
         if self.rank == 0:
             how = "started writing" if self.ckpt_queue is not None else "saved"
             print(f"[dpcc] {how} checkpoint {path}", flush=True)
+
+    def _fresh_optimizer_if_weights_only(self, state: dict) -> None:
+        """A checkpoint saved before the first step has no Adam state: start a fresh optimizer (built
+        after the weights were loaded, so its main parameters are theirs) at the saved schedule."""
+        if state.get("optimizer_saved") is not False:
+            return
+        from .trainer_totals import total_optimizer_steps
+
+        self.build_rl_optimizer(total_optimizer_steps(self.cfg))
+        if state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def can_roll_back(self) -> bool:
+        """Whether a confirmed collapse can roll this run back (control acting, rollback on, checkpoints)."""
+        m = self.cfg.monitor
+        return bool(self.cfg.checkpoint.dir) and m.control_active and m.rollback_on_collapse
+
+    def rollback_target(self) -> Optional[int]:
+        """The iteration a rollback would go back to now (rank 0's local detector), which checkpoint
+        retention keeps; None when the run cannot roll back. Before any healthy iteration: the start."""
+        if not self.can_roll_back() or self.detector is None:
+            return None
+        last = getattr(self.detector, "last_healthy_iteration", None)
+        if last is None:
+            return 0 if self.cfg.monitor.rollback_to_start else None
+        return int(last)
 
     def finalize_saves(self, blocking: bool) -> None:
         """Collective: finalise asynchronous saves that finished on every rank (all with ``blocking``)."""
@@ -154,6 +182,7 @@ class RunContext:
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
         state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
                                 extra=self._reference_in(path))
+        self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         self.dataset.load_state_dict(state["dataset"])
         self.consumed_samples = state["consumed_samples"]
@@ -256,7 +285,7 @@ class RunContext:
         Weights, optimizer, schedule, DPCC controller and detector go back; the prompt stream
         keeps moving forward, so the run does not replay the batches that led to the collapse.
         """
-        from ..megatron.checkpoint import load_checkpoint
+        from ..megatron.checkpoint import load_checkpoint, retire_newer_than
 
         if not self.cfg.checkpoint.dir:
             return None
@@ -270,11 +299,16 @@ class RunContext:
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
         state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
                                 extra=self._reference_in(path))
+        self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         if self.detector is not None and state.get("detector"):
             self.detector.load_state_dict(state["detector"])
         if self.monitor is not None:
             self.monitor.notify_rollback(int(state["iteration"]))
+        if self.rank == 0:  # the abandoned branch's checkpoints go (see retire_newer_than)
+            retire_newer_than(root, int(state["iteration"]))
+        if dist.is_initialized() and self.world > 1:
+            dist.barrier()
         self.counters["rollbacks"] = self.counters.get("rollbacks", 0) + 1
         if self.rank == 0:
             print(f"[dpcc] rolled back to {path}", flush=True)

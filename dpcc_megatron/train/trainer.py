@@ -92,6 +92,9 @@ def train(cfg: JobConfig) -> dict:
             ctx.reference.sync_from(ctx.chunks)  # the reference is the policy as RL starts
         ctx.build_rl_optimizer(total_steps)
         summary["reward_before"] = evaluate_greedy(ctx)
+        if ctx.can_roll_back() and cfg.monitor.rollback_to_start:
+            # the start: a first update that runs away goes back here (no Adam state exists yet)
+            ctx.save(0, controller, summary, control, weights_only=True)
     else:
         summary["reward_before"] = ctx.resumed_state.get("reward_before")
         control.load_state_dict(ctx.resumed_state.get("monitor_control"))
@@ -161,6 +164,11 @@ def train(cfg: JobConfig) -> dict:
         summary["alerts"] = ctx.alerts_seen()
         iteration += 1
         ctx.consumed_samples += samples.prompts_drawn * cfg.rollout.group_size
+        if action == "rollback" and ctx.counters["rollbacks"] >= cfg.monitor.max_rollbacks:
+            if ctx.rank == 0:
+                print(f"[dpcc] the monitor advised a rollback, but this run has rolled back "
+                      f"{ctx.counters['rollbacks']} times (monitor.max_rollbacks): pausing instead", flush=True)
+            action = "checkpoint_and_pause"
         if action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
             back = ctx.rollback_to(advice[2], controller)
             if back is not None:

@@ -32,6 +32,28 @@ def _records(entropies, reward=0.3, reward_std=0.2):
             for i, e in enumerate(entropies)]
 
 
+def test_a_run_that_rolled_back_is_judged_on_its_final_branch():
+    from benchmarks.stability.measures import final_branch
+
+    its = [0, 1, 2, 3, 2, 3, 0, 1, 2]  # back to 2 after 3, then back to the start after 3
+    records = [{"iteration": i, "n": n} for n, i in enumerate(its)]
+    assert [(r["iteration"], r["n"]) for r in final_branch(records)] == [(0, 6), (1, 7), (2, 8)]
+    recs = _records([4.0] * 6)
+    out = run_measures(recs[:4] + recs[2:], {"rollbacks": 1}, MonitorConfig(), 0.5, 1.0)
+    assert out["iterations"] == 6 and out["records_discarded"] == 2 and out["rollbacks"] == 1
+
+
+def test_the_rollback_arm_saves_checkpoints_inside_each_run_folder(tmp_path):
+    from benchmarks.stability.run import run_config
+
+    over = run_overrides(GRIDS["deep"], "dpcc-full-system-rollback", AGGRESSIVE_LR, 401)
+    cfg = run_config(over, tmp_path / "run", tmp_path / "warm")
+    assert cfg["checkpoint"]["dir"] == str(tmp_path / "run" / "checkpoints")
+    assert cfg["checkpoint"]["save_interval"] == 1 and cfg["monitor"]["control_enabled"] is True
+    assert "dir" not in run_config(run_overrides(GRIDS["deep"], "dpcc", AGGRESSIVE_LR, 401), tmp_path,
+                                   tmp_path)["checkpoint"]
+
+
 def test_iterations_to_target_uses_full_windows_only():
     assert iterations_to_target([0.9, 0.0, 0.0, 0.5, 0.5, 0.5], 0.5) == 6
     assert iterations_to_target([0.9, 0.2, 0.2], 0.5) is None  # a lucky first value is not "reached"

@@ -64,6 +64,43 @@ def test_distributed_optimizer_round_trip_continues_exactly(tmp_path, pp, vpp):
     assert not list((tmp_path / "ck").glob(".tmp_*"))
 
 
+def _weights_only_rank(rank, world, root):
+    from dpcc_megatron.config import OptimizerConfig, PrecisionConfig
+    from dpcc_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
+    from dpcc_megatron.megatron.parallel import init_model_parallel
+    from dpcc_megatron.megatron.reshard import local_named_tensors
+
+    par = parallel_config(1, 1, use_distributed_optimizer=True)
+    init_model_parallel(par, seed=1)
+    optim = OptimizerConfig(lr=1e-2)
+    torch.manual_seed(0)
+    chunks = build_training_model(tiny_model_config(num_layers=2), par, PrecisionConfig())
+    opt = build_optimizer(chunks, optim, par, PrecisionConfig())
+    sched = build_scheduler(opt, optim, total_steps=10)
+    meta = {"model": {"h": 64}, "layout": {"dp": world}}
+    save_checkpoint(root, 0, chunks, None, sched, dict(meta), keep_last=1)  # the start: no Adam state yet
+    _step(chunks, opt, 2)
+    expected = local_named_tensors(chunks)
+
+    torch.manual_seed(99)  # another run that has stepped: its weights and Adam state must not survive
+    chunks2 = build_training_model(tiny_model_config(num_layers=2), par, PrecisionConfig())
+    opt2 = build_optimizer(chunks2, optim, par, PrecisionConfig())
+    _step(chunks2, opt2, 5)
+    state = load_checkpoint(latest_checkpoint(root), chunks2, opt2, build_scheduler(opt2, optim, 10), meta)
+    opt3 = build_optimizer(chunks2, optim, par, PrecisionConfig())  # what the trainer does after it
+    _step(chunks2, opt3, 2)
+    got = local_named_tensors(chunks2)
+    return state["optimizer_saved"], max(float((expected[k] - got[k]).abs().max()) for k in expected)
+
+
+@pytest.mark.multirank
+def test_a_weights_only_start_checkpoint_loads_and_continues_with_a_fresh_optimizer(tmp_path):
+    for saved, diff in run_multirank(_weights_only_rank, 2, args=(str(tmp_path / "ck"),), timeout=300):
+        assert saved is False
+        assert diff == 0.0
+
+
 def test_incompatible_checkpoint_names_every_difference():
     saved = {"model": {"hidden_size": 64, "num_layers": 2}, "layout": {"tensor_model_parallel_size": 2}}
     current = {"model": {"hidden_size": 128, "num_layers": 2}, "layout": {"tensor_model_parallel_size": 1}}
@@ -155,6 +192,38 @@ def test_old_checkpoints_are_renamed_then_deleted_in_the_background(tmp_path, mo
     release.set()
     ck.wait_for_deletions(10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003"]
+
+
+def _fake_checkpoints(root, iterations):
+    for i in iterations:
+        (root / f"iter_{i:07d}").mkdir()
+
+
+def test_retention_keeps_the_rollback_target_beyond_keep_last(tmp_path):
+    import dpcc_megatron.megatron.checkpoint as ck
+
+    _fake_checkpoints(tmp_path, (0, 1, 2, 3, 4, 5))
+    ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000004", "iter_0000005"]
+    # no checkpoint at or before the target: only keep_last applies
+    ck.retire_old_checkpoints(tmp_path, keep_last=1, protect=1)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000005"]
+    ck.wait_for_deletions(10)
+
+
+def test_rollback_retires_the_abandoned_branch_and_repoints_latest(tmp_path):
+    import dpcc_megatron.megatron.checkpoint as ck
+
+    _fake_checkpoints(tmp_path, (2, 4, 5, 6))
+    (tmp_path / "latest").write_text("iter_0000006\n")
+    ck.retire_newer_than(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002"]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
+    # the new branch's next save is then among the newest, not retired at once
+    _fake_checkpoints(tmp_path, (3,))
+    ck.retire_old_checkpoints(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003"]
+    ck.wait_for_deletions(10)
 
 
 def test_async_save_setting_resolves_per_hardware_and_refuses_what_cannot_run(monkeypatch):

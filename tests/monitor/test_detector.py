@@ -229,7 +229,10 @@ def test_confirmed_collapse_and_control_mapping():
     # without rollback: checkpoint_and_pause; with control off: nothing
     a = Alert("high_entropy", "critical", 5, "x", "entropy", [], confirmed=True)
     assert ControlPolicy(MonitorConfig(rollback_on_collapse=False)).decide(a, 1).action == "checkpoint_and_pause"
-    assert ControlPolicy(MonitorConfig()).decide(a, None).action == "checkpoint_and_pause"
+    # before any healthy iteration: back to the run's start, or a pause when that is turned off
+    start = ControlPolicy(MonitorConfig()).decide(a, None)
+    assert (start.action, start.to_iteration) == ("rollback", 0)
+    assert ControlPolicy(MonitorConfig(rollback_to_start=False)).decide(a, None).action == "checkpoint_and_pause"
     assert ControlPolicy(MonitorConfig(control_enabled=False)).decide(a, 1) is None
     kl = Alert("kl_drift", "warning", 5, "x", "kl_old_new", [])
     assert ControlPolicy(MonitorConfig(reduce_lr_factor=0.25)).decide(kl, 1).factor == 0.25

@@ -171,6 +171,52 @@ def test_confirmed_collapse_rolls_back_to_last_healthy_checkpoint(tmp_path):
     assert [r["iteration"] for r in records] == [0, 1, 2, 3, 2, 3, 4]
 
 
+def _runaway_rank(rank, world, out, overrides):
+    """A detector that confirms a collapse on every first iteration, before any healthy one (a
+    first update that runs away); the trainer must go back to the start each time, up to
+    monitor.max_rollbacks, then pause."""
+    import dpcc_megatron.train.trainer as trainer
+    from dpcc_megatron.monitor.alerts import Alert
+
+    class Runaway:
+        last_healthy_iteration = None
+
+        def update(self, record):
+            if record["iteration"] == 0:
+                return [Alert(rule="kl_drift", severity="critical", iteration=0, message="injected",
+                              metric="kl_old_new", window=[[0, 9.0]], confirmed=True)]
+            return []
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    real_setup = trainer.setup_run
+
+    def setup(cfg):
+        ctx = real_setup(cfg)
+        ctx.detector = Runaway()
+        return ctx
+
+    trainer.setup_run = setup
+    return trainer.train(_cfg(Path(out), **overrides))
+
+
+def test_a_first_update_that_runs_away_goes_back_to_the_start_until_max_rollbacks(tmp_path):
+    ck = tmp_path / "ck"
+    over = {"train.iterations": 3, "checkpoint.dir": str(ck), "checkpoint.save_interval": 1,
+            "checkpoint.keep_last": 1, "monitor.control_enabled": True, "monitor.max_rollbacks": 2}
+    summary, = run_multirank(_runaway_rank, 1, args=(str(tmp_path), over), timeout=300)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 0, 0]  # twice back to the start, then the pause
+    assert summary["rollbacks"] == 2 and summary["stop_kind"] == "paused"
+    assert summary["lr_scale_from_monitor"] == pytest.approx(0.25)
+    # the start (iteration 0) was saved and, as the rollback target, kept beyond keep_last
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000000", "iter_0000001"]
+
+
 def test_resume_is_exact_with_virtual_pipeline_and_sequence_parallel(tmp_path):
     """TP2 x PP2 x VPP2 with sequence parallelism (4 ranks, one layer per virtual chunk): the
     interleaved schedule, SP padding, per-chunk checkpoints and generation with VPP chunks.
