@@ -253,3 +253,20 @@ def test_committed_readings_reproduce():
     assert all(getattr(MonitorConfig(), k) == v for k, v in SIXTH.items())
     # and the readings differ: a score line that matched anything would not be a check
     assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 6
+
+
+def test_first_alarms_counts_each_alarmed_stream_once_by_its_first_confirmed_critical():
+    from benchmarks.monitor.first_alarms import first_alarms
+
+    def stream(kl0):
+        return [{"iteration": i, "entropy": 1.0, "kl_old_new": kl0 if i == 0 else 0.01,
+                 "kl_step_max": kl0 if i == 0 else 0.01, "reward_mean": 0.3, "reward_std": 0.2,
+                 "zero_var_frac": 0.0, "optimizer_steps": 2} for i in range(8)]
+
+    streams = [("a", "healthy", stream(0.01)), ("b", "healthy", stream(3.0)), ("c", "collapse", stream(3.0))]
+    from dpcc_megatron.config.monitor import MonitorConfig
+
+    counts = first_alarms(streams, MonitorConfig())
+    assert counts["streams"] == {"healthy": 2, "collapse": 1}
+    assert counts["healthy"] == {("kl_drift", "iteration <= 1", 2): 1}
+    assert counts["collapse"] == {("kl_drift", "iteration <= 1", 2): 1}
