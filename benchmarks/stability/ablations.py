@@ -1,6 +1,6 @@
 """Each variant of a method against that method, paired on the same seeds: which pieces matter.
 
-    python -m benchmarks.stability.ablations --out runs/kt_rest [--reference dpcc] [--variants a,b,...]
+    python -m benchmarks.stability.ablations --out runs/kt_rest [--reference dpcc] [--variants a,b,...] [--control]
 
 For every variant (default: the methods named ``<reference>-...`` in the folder) and the reference,
 on the seeds where both finished: collapses at the higher LRs (every LR but the smallest) with the
@@ -57,6 +57,23 @@ def table(rows: list[dict], reference: str) -> list[str]:
     return out
 
 
+def control_table(results: list[dict], methods: list[str]) -> list[str]:
+    """What the monitor's control did, per method and LR: runs that rolled back, rollbacks, runs
+    paused, iterations abandoned by rollbacks (judged out: see ``measures.final_branch``), collapses
+    on the final branch, and the mean wall time."""
+    out = ["| method | LR | runs | rolled back (rollbacks) | paused | iterations abandoned | collapsed | "
+           "mean wall s |", "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        for lr in sorted({r["lr"] for r in results if r["method"] == m}):
+            rs = [r for r in results if r["method"] == m and r["lr"] == lr]
+            rolled = sum(1 for r in rs if r.get("rollbacks"))
+            paused = sum(1 for r in rs if "paused" in (r.get("stop_reason") or ""))
+            out.append(f"| `{m}` | {lr:g} | {len(rs)} | {rolled} ({sum(r.get('rollbacks') or 0 for r in rs)}) | "
+                       f"{paused} | {sum(r.get('records_discarded') or 0 for r in rs)} | "
+                       f"{sum(bool(r['collapsed']) for r in rs)} | {sum(r['wall_s'] for r in rs) / len(rs):.0f} |")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the runner's output directory")
@@ -65,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--complete-seeds", action="store_true",
                    help="only the seeds on which the reference and every variant finished at every LR "
                         "(an interrupted grid's complete pairs); prints them")
+    p.add_argument("--control", action="store_true",
+                   help="also what the monitor's control did (rollbacks, pauses, abandoned iterations)")
     args = p.parse_args(argv)
     ok, _ = load_results(Path(args.out))
     variants = (args.variants.split(",") if args.variants else
@@ -74,6 +93,9 @@ def main(argv=None) -> int:
         ok = [r for r in ok if r["seed"] in seeds]
         print(f"complete seeds ({len(seeds)}): {', '.join(map(str, sorted(seeds)))}")
     print("\n".join(table(ablation_rows(ok, args.reference, variants), args.reference)))
+    if args.control:
+        print()
+        print("\n".join(control_table(ok, [args.reference, *variants])))
     return 0
 
 

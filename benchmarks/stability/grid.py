@@ -113,9 +113,14 @@ METHODS: dict[str, dict] = {
     # LR cuts; no sidecar), to show what control adds. Not part of the algorithm comparison.
     "dpcc-full-system": {"loss.name": "dpcc", "monitor.control_enabled": True},
     # The same with checkpoints every iteration, so a confirmed collapse rolls back (to the last
-    # healthy iteration, or to the start before any) instead of pausing (deep-rollback.md).
+    # healthy iteration, or to the start before any) instead of pausing (full-system-rollback.md: the
+    # first reading, made before monitor.rollback_before_evidence existed, which is its false).
     "dpcc-full-system-rollback": {"loss.name": "dpcc", "monitor.control_enabled": True,
-                                  "checkpoint.dir": RUN_CHECKPOINTS, "checkpoint.save_interval": 1},
+                                  "checkpoint.dir": RUN_CHECKPOINTS, "checkpoint.save_interval": 1,
+                                  "monitor.rollback_before_evidence": False},
+    # As shipped since: back to before the confirmed alert's evidence window (full-system-rollback.md).
+    "dpcc-full-system-rollback-early": {"loss.name": "dpcc", "monitor.control_enabled": True,
+                                        "checkpoint.dir": RUN_CHECKPOINTS, "checkpoint.save_interval": 1},
 }
 
 #: The core comparison (issue: <= 4 h at --jobs 2 for 16 seeds x 3 LRs).

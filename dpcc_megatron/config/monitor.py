@@ -201,6 +201,12 @@ class MonitorConfig:
     """A confirmed collapse advises rolling back to the last healthy iteration (to the newest kept
     checkpoint at or before it: the trainer keeps that one beyond `checkpoint.keep_last`). Needs
     `checkpoint.dir`; without a checkpoint to go back to the advice becomes checkpoint_and_pause."""
+    rollback_before_evidence: bool = True
+    """Roll back to before the first iteration of the confirmed alert's evidence (its window), when that
+    is earlier than the last healthy iteration: a trailing rule (reward_drop's 3-iteration mean) confirms
+    a collapse after the decline began, so a rollback to the last healthy iteration lands inside it and
+    alerts again at once. Checkpoint retention keeps a checkpoint that far back. false: the last healthy
+    iteration."""
     rollback_to_start: bool = True
     """A confirmed collapse before any healthy iteration (a first update that runs away) rolls back to
     the weights the run started from, which the trainer then saves as iteration 0; false: pause."""

@@ -8,7 +8,9 @@ alert                                      advice
 ``kl_drift`` (any severity)                ``reduce_lr(factor)`` at once
 ``high_entropy`` (any severity)            ``reduce_lr(factor)`` at once
 confirmed collapse (``confirmed=True``)    ``rollback(to_iteration=last healthy iteration)``
-                                           when ``rollback_on_collapse`` and one is known;
+                                           when ``rollback_on_collapse`` and one is known
+                                           (with ``rollback_before_evidence``: no later
+                                           than the iteration before the alert's window);
                                            before any healthy iteration ``rollback(0)``
                                            (the run's start) when ``rollback_to_start``;
                                            else ``checkpoint_and_pause`` when
@@ -128,6 +130,19 @@ class ControlAdvice:
         )
 
 
+def rollback_target(last_healthy: Optional[int], window=None) -> Optional[int]:
+    """The iteration a confirmed collapse rolls back to: the last healthy one, and with the alert's
+    evidence ``window`` (``[[iteration, value], ...]``) no later than the iteration before it starts;
+    None when there is none (no healthy iteration, or the evidence starts at iteration 0)."""
+    if last_healthy is None:
+        return None
+    target = int(last_healthy)
+    starts = [int(w[0]) for w in (window or []) if isinstance(w, (list, tuple)) and w]
+    if starts:
+        target = min(target, min(starts) - 1)
+    return target if target >= 0 else None
+
+
 class ControlPolicy:
     """Alert -> advice mapping (see the module docstring). ``cfg`` is a MonitorConfig."""
 
@@ -138,15 +153,16 @@ class ControlPolicy:
         self.rollback = bool(getattr(cfg, "rollback_on_collapse", True))
         self.pause = bool(getattr(cfg, "pause_on_collapse", True))
         self.to_start = bool(getattr(cfg, "rollback_to_start", True))
+        self.before_evidence = bool(getattr(cfg, "rollback_before_evidence", True))
 
     def decide(self, alert: Alert, last_healthy: Optional[int]) -> Optional[ControlAdvice]:
         if not self.enabled:
             return None
         common = dict(iteration=alert.iteration, rules=[alert.rule], reason=str(alert), run_id=alert.run_id)
         if alert.confirmed:
-            if self.rollback and (last_healthy is not None or self.to_start):
-                target = 0 if last_healthy is None else int(last_healthy)
-                return ControlAdvice(action="rollback", to_iteration=target, **common)
+            target = rollback_target(last_healthy, alert.window if self.before_evidence else None)
+            if self.rollback and (target is not None or self.to_start):
+                return ControlAdvice(action="rollback", to_iteration=0 if target is None else target, **common)
             if self.pause:
                 return ControlAdvice(action="checkpoint_and_pause", **common)
             return None

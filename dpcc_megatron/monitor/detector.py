@@ -111,6 +111,8 @@ class CollapseDetector:
                              c.grad_spike_window + 1,
                              c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps,
                              c.reward_drop_patience, c.reward_drop_window, 2)
+        self.evidence_window = self._hist_len
+        """The most iterations an alert's evidence (its window) spans: rollback and retention read it."""
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
         self.band_source: Optional[str] = "config" if self.band is not None else None
         self._calib: list[float] = []

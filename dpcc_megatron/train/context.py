@@ -149,14 +149,14 @@ class RunContext:
         return bool(self.cfg.checkpoint.dir) and m.control_active and m.rollback_on_collapse
 
     def rollback_target(self) -> Optional[int]:
-        """The iteration a rollback would go back to now (rank 0's local detector), which checkpoint
-        retention keeps; None when the run cannot roll back. Before any healthy iteration: the start."""
+        """The iteration whose checkpoint retention keeps for a rollback (rank 0's local detector); None
+        when the run cannot roll back. See :func:`..train.control.retention_target`."""
         if not self.can_roll_back() or self.detector is None:
             return None
-        last = getattr(self.detector, "last_healthy_iteration", None)
-        if last is None:
-            return 0 if self.cfg.monitor.rollback_to_start else None
-        return int(last)
+        from .control import retention_target
+
+        return retention_target(getattr(self.detector, "last_healthy_iteration", None),
+                                getattr(self.detector, "evidence_window", 1), self.cfg.monitor)
 
     def finalize_saves(self, blocking: bool) -> None:
         """Collective: finalise asynchronous saves that finished on every rank (all with ``blocking``)."""

@@ -16,6 +16,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 
+def retention_target(last_healthy: Optional[int], evidence_window: int, cfg: Any) -> Optional[int]:
+    """The iteration at or before which checkpoint retention keeps the newest checkpoint, so that the
+    next confirmed collapse has one to roll back to (``cfg``: the monitor section).
+
+    The advice goes back to the last healthy iteration, and with ``rollback_before_evidence`` to
+    before the alert's window, which starts at most ``evidence_window`` iterations before the alert
+    and after the last healthy iteration: so ``last_healthy - evidence_window`` is always at or before
+    it. Before any healthy iteration (or when that reaches back past the start): 0, the start, when
+    ``rollback_to_start``; else None."""
+    if last_healthy is not None:
+        target = last_healthy - (evidence_window if cfg.rollback_before_evidence else 0)
+        if target >= 0:
+            return int(target)
+    return 0 if cfg.rollback_to_start else None
+
+
 class MonitorControl:
     def __init__(self, cfg: Any):
         self.factor = float(cfg.reduce_lr_factor)

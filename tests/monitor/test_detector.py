@@ -233,6 +233,13 @@ def test_confirmed_collapse_and_control_mapping():
     start = ControlPolicy(MonitorConfig()).decide(a, None)
     assert (start.action, start.to_iteration) == ("rollback", 0)
     assert ControlPolicy(MonitorConfig(rollback_to_start=False)).decide(a, None).action == "checkpoint_and_pause"
+    # a trailing rule's evidence began before the last healthy iteration: back to before it
+    drop = Alert("reward_drop", "critical", 36, "x", "reward_mean", [[34, 0.1], [35, 0.1], [36, 0.1]], confirmed=True)
+    assert ControlPolicy(MonitorConfig()).decide(drop, 35).to_iteration == 33
+    assert ControlPolicy(MonitorConfig(rollback_before_evidence=False)).decide(drop, 35).to_iteration == 35
+    early = Alert("reward_drop", "critical", 2, "x", "reward_mean", [[0, 0.1], [1, 0.1], [2, 0.1]], confirmed=True)
+    assert ControlPolicy(MonitorConfig()).decide(early, 1).to_iteration == 0  # evidence from the start: the start
+    assert ControlPolicy(MonitorConfig(rollback_to_start=False)).decide(early, 1).action == "checkpoint_and_pause"
     assert ControlPolicy(MonitorConfig(control_enabled=False)).decide(a, 1) is None
     kl = Alert("kl_drift", "warning", 5, "x", "kl_old_new", [])
     assert ControlPolicy(MonitorConfig(reduce_lr_factor=0.25)).decide(kl, 1).factor == 0.25

@@ -58,3 +58,24 @@ def test_monitor_off_means_no_advice_unless_control_is_explicit():
     assert MonitorConfig(enabled=False, control_enabled=True).control_active is True
     assert MonitorConfig().control_active is True
     assert ControlPolicy(MonitorConfig(enabled=False)).enabled is False
+
+
+def test_retention_keeps_a_checkpoint_every_rollback_target_can_reach():
+    from dpcc_megatron.monitor.alerts import rollback_target
+    from dpcc_megatron.train.control import retention_target
+
+    cfg = MonitorConfig()
+    w = 3  # the detector's evidence window
+    for last_at_save in range(0, 12):
+        keep = retention_target(last_at_save, w, cfg)
+        # the next record (at most last_at_save + 1 ... any later alert) with any window of <= w records
+        for it in range(last_at_save + 1, last_at_save + 6):
+            for n in range(1, w + 1):
+                window = [[i, 0.0] for i in range(it - n + 1, it + 1)]
+                for last_at_alert in range(last_at_save, it):
+                    target = rollback_target(last_at_alert, window)
+                    assert (0 if target is None else target) >= keep, (last_at_save, it, n, last_at_alert)
+    assert retention_target(None, w, cfg) == 0  # before any healthy iteration: the start
+    assert retention_target(None, w, MonitorConfig(rollback_to_start=False)) is None
+    assert retention_target(7, w, MonitorConfig(rollback_before_evidence=False)) == 7
+
