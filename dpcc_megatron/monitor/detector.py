@@ -111,8 +111,11 @@ class CollapseDetector:
                              c.grad_spike_window + 1,
                              c.reward_collapse_patience, c.low_entropy_patience, c.collapse_confirm_steps,
                              c.reward_drop_patience, c.reward_drop_window, 2)
-        self.evidence_window = self._hist_len
-        """The most iterations an alert's evidence (its window) spans: rollback and retention read it."""
+        self.evidence_window = max(c.entropy_jump_window, c.low_entropy_patience, c.collapse_confirm_steps,
+                                   c.kl_window, c.kl_sustained_window, c.reward_drop_window,
+                                   c.reward_drop_patience, 1)
+        """The most iterations the evidence (window) of a critical, confirmable alert spans: rollback
+        and checkpoint retention read it (warning-only rules, such as grad_spike, never roll back)."""
         self.band: Optional[tuple[float, float]] = tuple(c.entropy_band) if c.entropy_band is not None else None
         self.band_source: Optional[str] = "config" if self.band is not None else None
         self._calib: list[float] = []

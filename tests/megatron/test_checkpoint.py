@@ -202,12 +202,44 @@ def _fake_checkpoints(root, iterations):
 def test_retention_keeps_the_rollback_target_beyond_keep_last(tmp_path):
     import dpcc_megatron.megatron.checkpoint as ck
 
-    _fake_checkpoints(tmp_path, (0, 1, 2, 3, 4, 5))
-    ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=2)
-    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000004", "iter_0000005"]
+    _fake_checkpoints(tmp_path, (0, 2, 3, 4, 5))
+    ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=1)
+    # the newest at or before the target, and every later one (the target moves forward to them)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [f"iter_000000{i}" for i in (0, 2, 3, 4, 5)]
+    ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=3)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004", "iter_0000005"]
+    ck.retire_old_checkpoints(tmp_path, keep_last=2)  # nothing to protect: keep_last alone
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
     # no checkpoint at or before the target: only keep_last applies
     ck.retire_old_checkpoints(tmp_path, keep_last=1, protect=1)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000005"]
+    ck.wait_for_deletions(10)
+
+
+def test_a_healthy_run_that_saves_every_iteration_always_has_a_checkpoint_for_the_next_rollback(tmp_path):
+    """The trainer's sequence: save iter_i after record i-1, retention with the moving target; any
+    confirmed alert at the next record, whose evidence spans up to the detector's window, finds a
+    kept checkpoint at or before its rollback target, and the disk holds only a few."""
+    import dpcc_megatron.megatron.checkpoint as ck
+    from dpcc_megatron.config import MonitorConfig
+    from dpcc_megatron.monitor.alerts import rollback_target
+    from dpcc_megatron.monitor.detector import CollapseDetector
+    from dpcc_megatron.train.control import retention_target
+
+    cfg = MonitorConfig()
+    w = CollapseDetector(cfg).evidence_window
+    assert w == 3  # the shipped rules' longest critical window
+    _fake_checkpoints(tmp_path, (0,))  # the start
+    for i in range(1, 41):
+        (tmp_path / f"iter_{i:07d}").mkdir()
+        ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=retention_target(i - 1, w, cfg))
+        kept = [int(p.name[5:]) for p in tmp_path.glob("iter_*")]
+        assert len(kept) <= w + 3
+        window = [[j, 0.0] for j in range(max(0, i - w + 1), i + 1)]  # an alert at record i
+        target = rollback_target(i - 1, window)
+        goal = 0 if target is None else target
+        # the rollback lands on its target itself, not on some older survivor such as the start
+        assert max(k for k in kept if k <= goal) == goal, (i, target, sorted(kept))
     ck.wait_for_deletions(10)
 
 
