@@ -264,7 +264,7 @@ def retire_old_checkpoints(root: Path, keep_last: int, protect: Optional[int] = 
     """Rank 0: keep the newest ``keep_last`` complete checkpoints, and with ``protect`` also the
     newest one at or before that iteration and every one after it (the rollback target may be older
     than the last ``keep_last``, and it moves forward as the run stays healthy: the checkpoints it
-    moves to must still exist); rename the others to ``.trash_<name>`` (cheap, atomic) and delete
+    moves to must still exist; when none is at or before it, all are kept); rename the others to ``.trash_<name>`` (cheap, atomic) and delete
     every ``.trash_*`` in a background thread, so no rank waits on ``rmtree`` of a large checkpoint.
     Returns the renamed paths."""
     root = Path(root)
@@ -272,8 +272,9 @@ def retire_old_checkpoints(root: Path, keep_last: int, protect: Optional[int] = 
     keep = set(done[-keep_last:])
     if protect is not None:
         at_or_before = [p for p in done if 0 <= _iteration_of(p) <= protect]
-        if at_or_before:
-            keep.update(p for p in done if _iteration_of(p) >= _iteration_of(at_or_before[-1]))
+        # none at or before it (after a rollback the target can move back): every one is nearer than none
+        floor = _iteration_of(at_or_before[-1]) if at_or_before else -1
+        keep.update(p for p in done if _iteration_of(p) >= floor)
     retired = [_to_trash(old) for old in done if old not in keep]
     _delete_in_background(root)
     return retired

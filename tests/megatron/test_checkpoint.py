@@ -208,11 +208,11 @@ def test_retention_keeps_the_rollback_target_beyond_keep_last(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == [f"iter_000000{i}" for i in (0, 2, 3, 4, 5)]
     ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=3)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004", "iter_0000005"]
+    # after a rollback the target can move back before every kept checkpoint: all of them stay
+    ck.retire_old_checkpoints(tmp_path, keep_last=1, protect=1)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004", "iter_0000005"]
     ck.retire_old_checkpoints(tmp_path, keep_last=2)  # nothing to protect: keep_last alone
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
-    # no checkpoint at or before the target: only keep_last applies
-    ck.retire_old_checkpoints(tmp_path, keep_last=1, protect=1)
-    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000005"]
     ck.wait_for_deletions(10)
 
 
@@ -230,7 +230,7 @@ def test_a_healthy_run_that_saves_every_iteration_always_has_a_checkpoint_for_th
     w = CollapseDetector(cfg).evidence_window
     assert w == 3  # the shipped rules' longest critical window
     _fake_checkpoints(tmp_path, (0,))  # the start
-    for i in range(1, 41):
+    for i in range(1, 32):
         (tmp_path / f"iter_{i:07d}").mkdir()
         ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=retention_target(i - 1, w, cfg))
         kept = [int(p.name[5:]) for p in tmp_path.glob("iter_*")]
@@ -240,6 +240,15 @@ def test_a_healthy_run_that_saves_every_iteration_always_has_a_checkpoint_for_th
         goal = 0 if target is None else target
         # the rollback lands on its target itself, not on some older survivor such as the start
         assert max(k for k in kept if k <= goal) == goal, (i, target, sorted(kept))
+    # a collapse confirmed at record 31 (evidence 29-31): back to 28, whose detector state has 27 as
+    # its last healthy iteration; the re-run records 28-30 confirm again (evidence 28-30): back to 27
+    assert rollback_target(30, [[29, 0], [30, 0], [31, 0]]) == 28
+    ck.retire_newer_than(tmp_path, 28)
+    for i in (29, 30):  # saved again on the new branch, the restored last healthy iteration being 27
+        (tmp_path / f"iter_{i:07d}").mkdir()
+        ck.retire_old_checkpoints(tmp_path, keep_last=2, protect=retention_target(27, w, cfg))
+    kept = [int(p.name[5:]) for p in tmp_path.glob("iter_*")]
+    assert 27 in kept, sorted(kept)
     ck.wait_for_deletions(10)
 
 
