@@ -57,12 +57,19 @@ def table(rows: list[dict], reference: str) -> list[str]:
     return out
 
 
+def _below_start(r: dict) -> bool:
+    """The run's final greedy reward is below the warm-started policy's."""
+    before, after = r.get("reward_before"), r.get("reward_after")
+    return isinstance(before, (int, float)) and isinstance(after, (int, float)) and after < before
+
+
 def control_table(results: list[dict], methods: list[str]) -> list[str]:
     """What the monitor's control did, per method and LR: runs that rolled back, rollbacks, runs
     paused, iterations abandoned by rollbacks (judged out: see ``measures.final_branch``), collapses
-    on the final branch, and the mean wall time."""
+    on the final branch, runs whose final greedy reward ended below their start, and the mean wall
+    time."""
     out = ["| method | LR | runs | rolled back (rollbacks) | paused | iterations abandoned | collapsed | "
-           "mean wall s |", "|---|---|---|---|---|---|---|---|"]
+           "ended below start | mean wall s |", "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         for lr in sorted({r["lr"] for r in results if r["method"] == m}):
             rs = [r for r in results if r["method"] == m and r["lr"] == lr]
@@ -70,7 +77,8 @@ def control_table(results: list[dict], methods: list[str]) -> list[str]:
             paused = sum(1 for r in rs if "paused" in (r.get("stop_reason") or ""))
             out.append(f"| `{m}` | {lr:g} | {len(rs)} | {rolled} ({sum(r.get('rollbacks') or 0 for r in rs)}) | "
                        f"{paused} | {sum(r.get('records_discarded') or 0 for r in rs)} | "
-                       f"{sum(bool(r['collapsed']) for r in rs)} | {sum(r['wall_s'] for r in rs) / len(rs):.0f} |")
+                       f"{sum(bool(r['collapsed']) for r in rs)} | {sum(_below_start(r) for r in rs)} | "
+                       f"{sum(r['wall_s'] for r in rs) / len(rs):.0f} |")
     return out
 
 

@@ -412,10 +412,11 @@ def test_the_control_table_counts_rollbacks_pauses_and_abandoned_iterations():
 
     def r(method, seed, rollbacks, discarded, stop, collapsed=False):
         return {"method": method, "lr": 2e-3, "seed": seed, "collapsed": collapsed, "rollbacks": rollbacks,
-                "records_discarded": discarded, "stop_reason": stop, "wall_s": 10.0 * (1 + rollbacks)}
+                "records_discarded": discarded, "stop_reason": stop, "wall_s": 10.0 * (1 + rollbacks),
+                "reward_before": 0.5, "reward_after": 0.4 if collapsed else 0.6}
 
     rows = [r("dpcc", 1, 0, 0, "completed"), r("dpcc", 2, 0, 0, "completed", collapsed=True),
             r("arm", 1, 2, 5, "completed"), r("arm", 2, 3, 7, "paused by the monitor's advice")]
     lines = control_table(rows, ["dpcc", "arm"])
-    assert lines[2] == "| `dpcc` | 0.002 | 2 | 0 (0) | 0 | 0 | 1 | 10 |"
-    assert lines[3] == "| `arm` | 0.002 | 2 | 2 (5) | 1 | 12 | 0 | 35 |"
+    assert lines[2] == "| `dpcc` | 0.002 | 2 | 0 (0) | 0 | 0 | 1 | 1 | 10 |"
+    assert lines[3] == "| `arm` | 0.002 | 2 | 2 (5) | 1 | 12 | 0 | 0 | 35 |"
