@@ -126,7 +126,6 @@ def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(tmp_path):
 
 def _rollback_rank(rank, world, out, overrides):
     """A detector that confirms a collapse at iteration 3 once; the trainer must roll back to 2."""
-    import dpcc_megatron.train.trainer as trainer
     from dpcc_megatron.monitor.alerts import Alert
 
     class OneCollapse:
@@ -148,11 +147,18 @@ def _rollback_rank(rank, world, out, overrides):
         def load_state_dict(self, state):
             pass  # keep `fired`: the injected collapse happens once
 
+    return _train_with_detector(OneCollapse(), out, overrides)
+
+
+def _train_with_detector(detector, out, overrides):
+    """Train with ``detector`` as rank 0's local detector (the monitor's advice comes from it)."""
+    import dpcc_megatron.train.trainer as trainer
+
     real_setup = trainer.setup_run
 
     def setup(cfg):
         ctx = real_setup(cfg)
-        ctx.detector = OneCollapse()
+        ctx.detector = detector
         return ctx
 
     trainer.setup_run = setup
@@ -175,7 +181,6 @@ def _runaway_rank(rank, world, out, overrides):
     """A detector that confirms a collapse on every first iteration, before any healthy one (a
     first update that runs away); the trainer must go back to the start each time, up to
     monitor.max_rollbacks, then pause."""
-    import dpcc_megatron.train.trainer as trainer
     from dpcc_megatron.monitor.alerts import Alert
 
     class Runaway:
@@ -193,15 +198,7 @@ def _runaway_rank(rank, world, out, overrides):
         def load_state_dict(self, state):
             pass
 
-    real_setup = trainer.setup_run
-
-    def setup(cfg):
-        ctx = real_setup(cfg)
-        ctx.detector = Runaway()
-        return ctx
-
-    trainer.setup_run = setup
-    return trainer.train(_cfg(Path(out), **overrides))
+    return _train_with_detector(Runaway(), out, overrides)
 
 
 def test_a_first_update_that_runs_away_goes_back_to_the_start_until_max_rollbacks(tmp_path):
