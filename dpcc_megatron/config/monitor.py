@@ -38,7 +38,7 @@ class MonitorConfig:
     """Metrics sidecar, trainer-side client and collapse detector.
 
     Read by: dpcc_megatron/monitor/, dpcc_megatron/train/context.py, dpcc_megatron/train/control.py,
-    dpcc_megatron/commands/monitor.py.
+    dpcc_megatron/train/trainer.py, dpcc_megatron/commands/monitor.py.
     """
 
     # --- process, transport, storage -------------------------------------------------
