@@ -104,7 +104,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(slurm, job_env, tmp_path
     job, logdir = submit(slurm, job_env, tmp_path, f"train.iterations={iterations}", name="dpcc-preempt")
     latest = tmp_path / "ck" / "latest"
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not latest.exists():  # the first periodic checkpoint: the run is under way
+    # the first periodic checkpoint (not the start, which a run that can roll back saves first): under way
+    while not latest.exists() or latest.read_text().strip() == "iter_0000000":
         state = slurm.job(job)["JobState"]
         assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, diagnostics(tmp_path, job, logdir))
         assert time.monotonic() < deadline, "no checkpoint appeared\n" + diagnostics(tmp_path, job, logdir)
