@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     counts = first_alarms(streams, cfg)
     for label in ("healthy", "collapse", "degraded"):
         alarmed = counts.get(label, collections.Counter())
-        print(f"{label}: {sum(alarmed.values())} of {counts['streams'][label]} streams alarmed; first confirmed critical:")
+        print(f"{label}: {sum(alarmed.values())} of {counts['streams'][label]} streams alarmed; "
+              "first confirmed critical:")
         for (rule, when, steps), n in sorted(alarmed.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1])):
             print(f"  {n:4d}  {rule}, {when}, {steps} step(s) per iteration")
     return 0

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from .grid import (GRIDS, RUN_CHECKPOINTS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides, steps_per_iteration,
-                   testbed)
+from .grid import (GRIDS, RUN_CHECKPOINTS, TASKS, WARM_START, Grid, build_config, run_key, run_overrides,
+                   steps_per_iteration, testbed)
 
 RESULT_VERSION = 1
 

@@ -126,7 +126,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     ``async_queue`` (megatron-core's ``AsyncCallsQueue``) the shards are written in the background
     and the path does not exist until :func:`finalize_saves` has finalised the save; without it
     everything is done when this returns. ``protect``: also keep the newest checkpoint at or before
-    this iteration (the monitor's rollback target; see :func:`retire_old_checkpoints`). Without an
+    this iteration and every later one (the monitor's rollback target; see
+    :func:`retire_old_checkpoints`). Without an
     ``optimizer`` (the start of a run, before any step made Adam state) the checkpoint holds the
     weights, scheduler and trainer state; its ``trainer_state.json`` says ``optimizer_saved: false``
     and the loader then leaves the optimizer to the caller (a fresh one)."""
@@ -264,9 +265,9 @@ def retire_old_checkpoints(root: Path, keep_last: int, protect: Optional[int] = 
     """Rank 0: keep the newest ``keep_last`` complete checkpoints, and with ``protect`` also the
     newest one at or before that iteration and every one after it (the rollback target may be older
     than the last ``keep_last``, and it moves forward as the run stays healthy: the checkpoints it
-    moves to must still exist; when none is at or before it, all are kept); rename the others to ``.trash_<name>`` (cheap, atomic) and delete
-    every ``.trash_*`` in a background thread, so no rank waits on ``rmtree`` of a large checkpoint.
-    Returns the renamed paths."""
+    moves to must still exist; when none is at or before it, all are kept). Rename the others to
+    ``.trash_<name>`` (cheap, atomic) and delete every ``.trash_*`` in a background thread, so no
+    rank waits on ``rmtree`` of a large checkpoint. Returns the renamed paths."""
     root = Path(root)
     done = sorted(p for p in root.glob("iter_*") if p.is_dir())
     keep = set(done[-keep_last:])
