@@ -21,9 +21,10 @@ def retention_target(last_healthy: Optional[int], evidence_window: int, cfg: Any
     next confirmed collapse has one to roll back to (``cfg``: the monitor section).
 
     The advice goes back to the last healthy iteration, and with ``rollback_before_evidence`` to
-    before the alert's window, which starts at most ``evidence_window`` iterations before the alert
-    and after the last healthy iteration: so ``last_healthy - evidence_window`` is always at or before
-    it. Before any healthy iteration (or when that reaches back past the start): 0, the start, when
+    before the alert's window. That window ends at the alert, which comes after this save's last
+    healthy iteration, and spans at most ``evidence_window`` iterations: so ``last_healthy -
+    evidence_window`` is at or before any such target (``tests/megatron/test_checkpoint.py`` checks
+    it). Before any healthy iteration (or when that reaches back past the start): 0, the start, when
     ``rollback_to_start``; else None."""
     if last_healthy is not None:
         target = last_healthy - (evidence_window if cfg.rollback_before_evidence else 0)
