@@ -10,6 +10,7 @@ strings, floats); the ``*_torch`` variants take tensors and import torch lazily.
 - :func:`perplexity` / :func:`perplexity_torch`: from per-token log-probs and a mask.
 - :func:`entropy_fraction`, :func:`token_entropy_torch`: exact token entropy and its
   fraction of ln|V|.
+- :func:`group_distinct_fraction`: the in-group answer diversity (``answer_distinct_frac``).
 - :func:`response_metrics`: all of the above in one record-ready dict.
 
 Definitions. For one sequence and n-gram size n with N >= 1 n-grams, the repeated
@@ -262,6 +263,23 @@ def token_entropy_torch(logits: Any, mask: Any = None) -> float:
         m = mask.to(ent.dtype)
         n = float(m.sum())
         return float((ent * m).sum()) / n if n else math.nan
+
+
+def group_distinct_fraction(seqs: Sequence[Sequence], group_size: int) -> Optional[float]:
+    """In-group answer diversity: the mean over groups of ``distinct answers / group_size``.
+
+    ``seqs`` holds whole groups, ``group_size`` consecutive answers each (token-id lists or
+    strings). 1.0 when every answer of every group differs; ``1/group_size`` when each group
+    gave one answer ``group_size`` times (a template, or a mastered prompt). None for no groups."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    seqs = list(seqs)
+    if len(seqs) % group_size:
+        raise ValueError(f"{len(seqs)} answers are not whole groups of {group_size}")
+    if not seqs:
+        return None
+    groups = [seqs[i:i + group_size] for i in range(0, len(seqs), group_size)]
+    return sum(len({tuple(a) for a in g}) for g in groups) / (len(groups) * group_size)
 
 
 def response_metrics(token_seqs: Optional[Iterable[Sequence]] = None, texts: Optional[Iterable[str]] = None,

@@ -57,7 +57,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
                  seconds, step_kl_after: Optional[float] = None) -> dict:
     """The iteration's record. ``step_kl_after``: with one optimizer step per iteration, that step's KL
     measured after it (``monitor.step_kl_probe``); its in-step KL is the fresh ~0 one."""
-    from ..monitor.metrics import entropy_fraction, response_metrics
+    from ..monitor.metrics import entropy_fraction, group_distinct_fraction, response_metrics
 
     cfg = ctx.cfg
     taken = [s for s in steps if not s.skipped]
@@ -98,6 +98,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     base_groups = rewards.base.view(-1, G)
     rec["reward_base_std"] = _f(rewards.base.std(correction=0))
     rec["zero_var_frac_base"] = _f((base_groups.amax(-1) == base_groups.amin(-1)).float().mean())
+    # Distinct answers per group / G: a template collapse drives it to 1/G with the reward low.
+    rec["answer_distinct_frac"] = group_distinct_fraction(rollouts.response_ids, G)
     step_kls = [s.metrics[f"kl_{est}"] for s in usable if f"kl_{est}" in s.metrics]
     if step_kl_after is not None and math.isfinite(step_kl_after):
         step_kls.append(step_kl_after)

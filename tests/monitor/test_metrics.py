@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpcc_megatron.monitor.metrics import (batch_repetition, entropy_fraction, language_consistency,
-                                           longest_repeat, ngram_repeat_share, perplexity, repetition_stats,
-                                           response_metrics)
+from dpcc_megatron.monitor.metrics import (batch_repetition, entropy_fraction, group_distinct_fraction,
+                                           language_consistency, longest_repeat, ngram_repeat_share, perplexity,
+                                           repetition_stats, response_metrics)
 
 
 def test_repetition_definitions():
@@ -98,3 +98,15 @@ def test_batch_repetition_subsample():
     sub = batch_repetition(seqs, max_seqs=10)
     assert sub["repetition_rate"] == pytest.approx(batch_repetition(seqs)["repetition_rate"])
     assert batch_repetition(["0000000000"] + ["abcdefghij"] * 99, max_seqs=10)["longest_repeat"] == 10
+
+
+def test_group_distinct_fraction():
+    # two groups of 4: all different (4/4) and one answer four times (1/4)
+    seqs = [[1], [2], [3], [4], [7, 0], [7, 0], [7, 0], [7, 0]]
+    assert group_distinct_fraction(seqs, 4) == pytest.approx((4 + 1) / 8)
+    assert group_distinct_fraction(["ab", "ab", "a", "b"], 2) == pytest.approx((1 + 2) / 4)
+    assert group_distinct_fraction([], 4) is None
+    with pytest.raises(ValueError, match="whole groups"):
+        group_distinct_fraction([[1], [2], [3]], 2)
+    with pytest.raises(ValueError, match="group_size"):
+        group_distinct_fraction([[1]], 0)

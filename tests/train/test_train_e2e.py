@@ -80,8 +80,9 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
     assert [r["iteration"] for r in records] == [0, 1]
     for key in ("reward_mean", "kl_old_new", "entropy", "tau", "lr", "lr_factor", "grad_norm", "clip_frac",
                 "sample_utilization", "mismatch_kl", "repetition_rate", "tokens_per_s", "kl_step_max",
-                "reward_base_std", "zero_var_frac_base"):
+                "reward_base_std", "zero_var_frac_base", "answer_distinct_frac"):
         assert key in records[-1], key
+    assert all(1 / 4 <= r["answer_distinct_frac"] <= 1 for r in records)  # rollout.group_size 4
     assert records[-1]["mismatch_kl"] < 1e-5  # sampler and trainer run the same weights in fp32
     # each iteration's first mini-batch (pi_old just recomputed) is the one whose KL is skipped; the
     # calibrated preset's drift probe adds one observation after each iteration's steps
