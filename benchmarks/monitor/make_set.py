@@ -14,7 +14,7 @@ on the reward and entropy curves, never by hand), trimmed to the fields the dete
 written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
 ``dpcc-megatron monitor evaluate --labelled DIR``.
 
-The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 49-50 are the
+The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 51-52 are the
 held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
 - the even seeds 2-6 with the first calibration; seeds 41-42 were then added to every family;
 - seeds 41-42 with the second; then the trainer stopped folding DPCC's drift probe into
@@ -27,7 +27,10 @@ held-out part, every other seed is ``dev``. Each held-out part is read once, the
   module writes them; ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were then added to
   every family, written with ``--seeds 47,48`` to ``labelled-fifth/``;
 - seeds 47-48 with the fifth (``benchmarks/monitor/sixth-calibration.md``); seeds 49-50 were then added
-  to every family, written with ``--seeds 49,50`` to ``labelled-sixth/``.
+  to every family, written with ``--seeds 49,50`` to ``labelled-sixth/``;
+- seeds 49-50 with the sixth (``benchmarks/monitor/seventh-calibration.md``); seeds 51-52 were then added
+  to every family, trained with ``--set eval.interval=1`` (an evaluation every iteration, joined into the
+  streams as ``eval_*`` fields) and written to ``labelled-seventh/``.
 """
 from __future__ import annotations
 
@@ -43,14 +46,17 @@ from typing import Optional
 
 from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR, Grid, build_config, run_key,
                                        run_overrides, steps_per_iteration)
-from benchmarks.stability.run import ensure_warm_start, train_once
+from benchmarks.stability.run import ensure_warm_start, parse_sets, train_once
 
 from .labels import label_stream
 
 #: The fields of a trainer record the detector (and the labelling rule) reads; the rest is dropped.
 KEEP = ("iteration", "entropy", "kl_old_new", "kl_step_max", "kl_estimator", "kl_ref", "mismatch_kl",
         "repetition_rate", "longest_repeat", "grad_norm", "reward_mean", "reward_std", "zero_var_frac",
-        "reward_base_mean", "reward_base_std", "zero_var_frac_base", "optimizer_steps")
+        "reward_base_mean", "reward_base_std", "zero_var_frac_base", "optimizer_steps", "answer_distinct_frac")
+#: Held-out evaluation fields (eval.jsonl) joined into the record of the iteration they were taken before,
+#: prefixed ``eval_``: runs with ``eval.interval`` 1 have them on every record.
+EVAL_KEEP = ("reward_greedy", "reward_sampled", "pass_at_1")
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,9 @@ class Family:
 #: The stability grid whose testbed (model, task, warm-start) every stream uses.
 TESTBED = GRIDS["small"]
 #: Seeds of the held-out part (see the module docstring); each family runs them.
-HELDOUT_SEEDS = (49, 50)
+HELDOUT_SEEDS = (51, 52)
 #: Earlier held-out parts, read once each, now development seeds of every family.
-READ_SEEDS = (41, 42, 43, 44, 45, 46, 47, 48)
+READ_SEEDS = (41, 42, 43, 44, 45, 46, 47, 48, 49, 50)
 
 
 def _steps(iterations: int) -> int:
@@ -116,7 +122,7 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def split_of(seed: int) -> str:
-    """The split, fixed before tuning: seeds 49-50 are held out, all others develop the detector."""
+    """The split, fixed before tuning: seeds 51-52 are held out, all others develop the detector."""
     return "heldout" if seed in HELDOUT_SEEDS else "dev"
 
 
@@ -132,8 +138,9 @@ def planned(families=FAMILIES) -> list[tuple[Family, int]]:
     return sorted(runs, key=lambda r: ((r[1] + 1) // 2, order[id(r[0])], r[1]))
 
 
-def run_config(fam: Family, seed: int, warm: Path, run_dir: Path) -> dict:
-    overrides = run_overrides(fam.grid(), fam.method, fam.lr, seed)
+def run_config(fam: Family, seed: int, warm: Path, run_dir: Path, sets: Optional[dict] = None) -> dict:
+    """The run's config; ``sets`` (``--set``) apply last, as in the stability runner."""
+    overrides = run_overrides(replace(fam.grid(), sets=dict(sets or {})), fam.method, fam.lr, seed)
     return build_config({**overrides, "checkpoint.load": str(warm), "train.output_dir": str(run_dir)})
 
 
@@ -159,8 +166,27 @@ def trim(records: list[dict]) -> list[dict]:
     return [{k: _short(r[k]) for k in KEEP if k in r and r[k] is not None} for r in records]
 
 
+def read_evals(run_dir: Path) -> dict[int, dict]:
+    """Iteration -> ``eval_<field>`` of the run's held-out evaluations (eval.jsonl; none: {}). An evaluation
+    at iteration i was taken on the weights iteration i's rollouts were sampled from."""
+    path = run_dir / "eval.jsonl"
+    if not path.is_file():
+        return {}
+    out: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            e = json.loads(line)
+            out[int(e["iteration"])] = {f"eval_{k}": _short(e[k]) for k in EVAL_KEEP if e.get(k) is not None}
+    return out
+
+
+def with_evals(records: list[dict], evals: dict[int, dict]) -> list[dict]:
+    """``records`` with each iteration's evaluation fields joined in."""
+    return [{**r, **evals.get(r.get("iteration"), {})} for r in records]
+
+
 STABILITY_FAMILY = "stab-grid"
-_RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)$")
+_RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_-]+)__lr(?P<lr>[0-9.e+-]+)__s(?P<seed>[0-9]+)(__set-[0-9a-f]+)?$")
 
 
 def grid_family(testbed: dict, layers: Optional[int] = None) -> str:
@@ -199,7 +225,7 @@ def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None,
               **info) -> Optional[dict]:
     """Trim, label and write one run's stream. ``steps``: the testbed's optimizer steps per iteration, written
     as ``optimizer_steps`` into records of runs made before the trainer recorded it."""
-    records = trim(read_metrics(run_dir))
+    records = with_evals(trim(read_metrics(run_dir)), read_evals(run_dir))
     if steps is not None:
         records = [r if "optimizer_steps" in r else {**r, "optimizer_steps": steps} for r in records]
     if not records:
@@ -264,7 +290,14 @@ def main(argv=None) -> int:
     p.add_argument("--dev-grid", action="append", default=[], metavar="DIR",
                    help="the same as --heldout-grid, with every run in the dev split (a grid that was read once "
                         "as held out, or one no held-out reading uses)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override of every family run (dotted config key, repeatable), applied last; use a "
+                        "fresh --out, since run folders are named without it (e.g. eval.interval=1)")
     args = p.parse_args(argv)
+    try:
+        sets = parse_sets(args.set)
+    except ValueError as e:
+        p.error(f"--set: {e}")
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     wanted = set(args.families.split(",")) if args.families else None
@@ -288,7 +321,7 @@ def main(argv=None) -> int:
             i, (fam, seed) = item
             name = run_name(fam, seed)
             run_dir = out / "runs" / name
-            cfg = run_config(fam, seed, warm, run_dir)
+            cfg = run_config(fam, seed, warm, run_dir, sets)
             if is_done(run_dir, cfg):
                 return True
             if deadline is not None and time.time() > deadline:

@@ -78,9 +78,9 @@ def test_entropy_clause_of_the_labelling_rule():
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
-    # held-out parts already read (41-42 ... 47-48) are development seeds now
-    assert ([split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50)]
-            == ["dev"] * 12 + ["heldout"] * 2)
+    # held-out parts already read (41-42 ... 49-50) are development seeds now
+    assert ([split_of(s) for s in (1, 2, 7, 24, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52)]
+            == ["dev"] * 14 + ["heldout"] * 2)
     # every family in both parts
     assert all(set(f.seeds) - set(HELDOUT_SEEDS) and set(f.seeds) >= set(HELDOUT_SEEDS) for f in FAMILIES)
     rec = {"iteration": 3, "entropy": 0.123456789, "kl_step_max": 0.5, "tokens_per_s": 1.0, "pg_loss": None,
@@ -120,7 +120,7 @@ def test_committed_grid_sets_match_their_labels_and_steps(name):
 #: The fresh held-out parts of the fifth and sixth calibrations: folder, the families' seeds, the grids' seeds
 #: (none of which an earlier part used).
 HELDOUT_PARTS = [("labelled-fifth", (47, 48), set(range(701, 713)) | set(range(801, 807))),
-                 ("labelled-sixth", HELDOUT_SEEDS, set(range(713, 725)) | set(range(807, 813)))]
+                 ("labelled-sixth", (49, 50), set(range(713, 725)) | set(range(807, 813)))]
 
 
 @pytest.mark.parametrize("folder, family_seeds, grid_seeds", HELDOUT_PARTS, ids=[p[0] for p in HELDOUT_PARTS])
@@ -145,20 +145,34 @@ def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
 def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     stab = tmp_path / "small"
     _fake_run(stab, "grpo__lr0.002__s9", [0.4] * 10 + [0.02] * 10, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.0002__s49", [0.3] * 20, [0.8] * 20)
-    _fake_run(stab, "dpcc__lr0.002__s49", [0.3] * 20, [0.8] * 20, greedy=(0.3, 0.2))
+    _fake_run(stab, "dpcc__lr0.0002__s51", [0.3] * 20, [0.8] * 20)
+    _fake_run(stab, "dpcc__lr0.002__s51", [0.3] * 20, [0.8] * 20, greedy=(0.3, 0.2))
     (stab / "runs" / "not-a-run").mkdir()
     (stab / "manifest.json").write_text(json.dumps({"testbed": TESTBED.extra}))
-    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 49), ("dpcc", 0.002, 49), ("grpo", 0.002, 9)]
+    assert [r[:3] for r in stability_runs(stab)] == [("dpcc", 0.0002, 51), ("dpcc", 0.002, 51), ("grpo", 0.002, 9)]
     labels = write_set(tmp_path / "set", tmp_path / "out", families=(), stability=[stab])
     got = {(x["family"], x["method"], x["seed"], x["split"], x["label"]) for x in labels}
-    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 49, "heldout", "healthy"),
-                   ("stab-grid", "dpcc", 49, "heldout", "degraded")}
+    assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 51, "heldout", "healthy"),
+                   ("stab-grid", "dpcc", 51, "heldout", "degraded")}
     assert len(read_labels(tmp_path / "out")) == 3  # a valid labelled set
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
     with pytest.raises(SystemExit, match="testbed"):
         stability_runs(stab)
+
+
+def test_eval_fields_join_the_record_of_their_iteration(tmp_path):
+    from benchmarks.monitor.make_set import read_evals, with_evals
+
+    assert read_evals(tmp_path) == {}  # a run without evaluations
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps({"iteration": 0, "kind": "eval", "reward_greedy": 0.25, "reward_sampled": 0.123456789}) + "\n"
+        + json.dumps({"iteration": 2, "kind": "eval", "reward_greedy": 0.5, "pass_at_1": None}) + "\n")
+    evals = read_evals(tmp_path)
+    assert evals == {0: {"eval_reward_greedy": 0.25, "eval_reward_sampled": 0.12346}, 2: {"eval_reward_greedy": 0.5}}
+    got = with_evals([{"iteration": i, "entropy": 1.0} for i in range(3)], evals)
+    assert got == [{"iteration": 0, "entropy": 1.0, "eval_reward_greedy": 0.25, "eval_reward_sampled": 0.12346},
+                   {"iteration": 1, "entropy": 1.0}, {"iteration": 2, "entropy": 1.0, "eval_reward_greedy": 0.5}]
 
 
 def test_heldout_grids_of_other_testbeds_join_as_held_out_with_their_family(tmp_path):
