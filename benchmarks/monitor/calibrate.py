@@ -19,7 +19,8 @@ Grids: ``main`` (the band, confirmation, patience, mastered gain and the KL thre
 streams of one optimizer step per iteration with the after-step KL; ``--base`` holds the ``main``
 choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``; ``sixth`` (the ``reward_drop``
 rule's fraction, patience and window, or off, with the one-step factor re-read), as fixed by
-``benchmarks/monitor/sixth-calibration.md``.
+``benchmarks/monitor/sixth-calibration.md``; ``seventh`` (a second signal ``reward_drop`` waits for: the held-out
+evaluation or the in-group answer diversity, or none), as fixed by ``benchmarks/monitor/seventh-calibration.md``.
 
 Why J and not "no healthy critical, then recall" (the first calibration's rule): on the dev part,
 which since the second calibration holds the stability grid's aggressive-LR runs, the runs at
@@ -59,6 +60,9 @@ GRIDS = {
     "one-step": {"kl_one_step_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]},
     "sixth": {"reward_drop": [None] + [(f, p, w) for w in (1, 3) for f in (0.3, 0.4, 0.5) for p in (1, 2, 3)],
               "kl_one_step_factor": [3.0, 4.0, 6.0]},
+    "seventh": {"second_signal": [None] + [("eval", field, f) for field in ("eval_reward_greedy", "eval_reward_sampled")
+                                           for f in (0.1, 0.2, 0.3, 0.5)]
+                + [("diversity", d) for d in (0.1, 0.2, 0.3)]},
 }
 
 
@@ -80,15 +84,30 @@ def settings(grid: dict = GRIDS["main"]):
             ov["reward_drop_fraction"] = drop[0] if drop else None
             if drop:
                 ov["reward_drop_patience"], ov["reward_drop_window"] = drop[1], drop[2]
+        if "second_signal" in ov:
+            second = ov.pop("second_signal")  # reward_drop_confirm with its own parameters
+            ov["reward_drop_confirm"] = second[0] if second else None
+            if second and second[0] == "eval":
+                ov["reward_drop_eval_field"], ov["reward_drop_eval_fraction"] = second[1], second[2]
+            elif second:
+                ov["reward_drop_diversity_change"] = second[1]
         yield ov
 
 
-def load_streams(labelled=(), read=()) -> list[tuple[str, str, list[dict]]]:
+def load_streams(labelled=(), read=(), eval_every: int = 1) -> list[tuple[str, str, list[dict]]]:
     """(name, label, records) of the dev split of each ``labelled`` folder and of every stream of each
-    ``read`` folder, parsed once."""
-    return [(f"{folder}/{name}", label, records)
+    ``read`` folder, parsed once. ``eval_every`` N > 1 keeps the held-out evaluation fields (``eval_*``)
+    only on iterations divisible by N: the streams of a run with ``eval.interval`` N."""
+    return [(f"{folder}/{name}", label, [thin_evals(r, eval_every) for r in records])
             for folders, split in ((labelled, "dev"), (read, None)) for folder in folders
             for name, label, records in labelled_streams(folder, split)]
+
+
+def thin_evals(record: dict, every: int) -> dict:
+    """``record`` without its ``eval_*`` fields unless its iteration is a multiple of ``every``."""
+    if every <= 1 or record.get("iteration", 0) % every == 0:
+        return record
+    return {k: v for k, v in record.items() if not k.startswith("eval_")}
 
 
 def score_of(streams, overrides: dict) -> dict:
@@ -119,10 +138,13 @@ def rank(row) -> tuple:
     kl = ov.get("kl_critical_threshold") or 99.0
     sus = ov.get("kl_sustained_threshold") or 99.0
     lead = s["median_lead_iterations"]
+    # reward_drop's second signal: none holds no alarm back (most cautious); then the larger threshold
+    second = (ov.get("reward_drop_confirm") is None, ov.get("reward_drop_eval_fraction", 0) if
+              ov.get("reward_drop_confirm") == "eval" else ov.get("reward_drop_diversity_change", 0))
     return (round(youden(s), 3), lead is not None and lead >= LEAD_TARGET, ov.get("collapse_confirm_steps", 0),
             ov.get("low_entropy_patience", 0), hi - lo, kl, sus, ov.get("kl_sustained_window", 0),
             ov.get("reward_drop_fraction") or 1.0, ov.get("reward_drop_patience", 0), ov.get("reward_drop_window", 0),
-            ov.get("kl_one_step_factor", 0), ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
+            ov.get("kl_one_step_factor", 0), second, ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
             -(s["warnings_per_100_healthy"] or 0.0), lead or -99)
 
 
@@ -134,7 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--grid", choices=sorted(GRIDS), default="main")
     p.add_argument("--base", default="{}", metavar="JSON", help="overrides every setting starts from")
     p.add_argument("--top", type=int, default=12, help="rows of the best settings to print")
+    p.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="keep the streams' evaluation fields only every N iterations (eval.interval N)")
     args = p.parse_args(argv)
+    if args.eval_every < 1:
+        p.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if not args.labelled and not args.read:
         p.error("give at least one --labelled or --read folder")
     known = {f.name for f in dataclasses.fields(MonitorConfig)}
@@ -145,7 +171,7 @@ def main(argv=None) -> int:
     if not isinstance(base, dict) or set(base) - known:
         p.error(f"--base: a JSON object of MonitorConfig fields; unknown: {sorted(set(base) - known)}")
     base = {k: tuple(v) if isinstance(v, list) else v for k, v in base.items()}
-    streams = load_streams(args.labelled, args.read)
+    streams = load_streams(args.labelled, args.read, args.eval_every)
     before = {k: v for k, v in BEFORE.items() if k in known}
     rows = [("before", before, score_of(streams, before)),
             ("first", FIRST, score_of(streams, FIRST)),

@@ -13,6 +13,11 @@ from typing import Optional
 
 from .base import check
 
+#: reward_drop's second signals (monitor.reward_drop_confirm): None is the reward alone.
+REWARD_DROP_CONFIRMS = (None, "eval", "diversity")
+#: Evaluation fields the "eval" confirmation can read (the trainer's eval metrics, prefixed eval_).
+REWARD_DROP_EVAL_FIELDS = ("eval_reward_greedy", "eval_reward_sampled")
+
 
 def parse_hostport(value: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(host, port)``; ``[::1]:80`` style IPv6 is accepted."""
@@ -166,6 +171,22 @@ class MonitorConfig:
     """reward_drop acts only once the best healthy trailing reward reaches this (in the reward's units; a
     pass rate here): half of a best of a few percent is within the sampling noise of one iteration's
     mean, and a run that has barely started to learn has nothing to roll back to."""
+    reward_drop_confirm: Optional[str] = None
+    """A second signal reward_drop waits for before it raises its critical (its iterations below the line
+    are not healthy either way). None: the reward alone. "eval": the latest held-out evaluation's
+    `reward_drop_eval_field` (eval.interval; the trainer puts each evaluation into the next iteration's
+    record) is below (1 - `reward_drop_eval_fraction`) x its best at a healthy iteration, so the rule
+    waits for the next evaluation. "diversity": the trailing mean of the in-group answer diversity
+    (answer_distinct_frac) has moved by at least `reward_drop_diversity_change` x its value at the
+    iteration that set the best healthy reward. A run whose records never carried the field is judged
+    on the reward alone."""
+    reward_drop_eval_field: str = "eval_reward_greedy"
+    """The evaluation field the "eval" confirmation reads: eval_reward_greedy (greedy, no sampling noise)
+    or eval_reward_sampled (eval.samples answers per prompt from a generator seeded the same each time)."""
+    reward_drop_eval_fraction: float = 0.2
+    """The "eval" confirmation: how far below its best healthy value the evaluation reward must be."""
+    reward_drop_diversity_change: float = 0.2
+    """The "diversity" confirmation: the relative change of the answer diversity that counts."""
     collapse_confirm_steps: int = 1
     """A critical alert whose condition holds this many consecutive steps is a confirmed collapse."""
     alert_cooldown: int = 10
@@ -295,6 +316,14 @@ class MonitorConfig:
         check(self.reward_drop_window >= 1, "reward_drop_window", f"must be >= 1, got {self.reward_drop_window}")
         check(math.isfinite(self.reward_drop_min_best) and self.reward_drop_min_best >= 0, "reward_drop_min_best",
               f"must be a finite number >= 0, got {self.reward_drop_min_best}")
+        check(self.reward_drop_confirm in REWARD_DROP_CONFIRMS, "reward_drop_confirm",
+              f"must be one of {', '.join(str(x) for x in REWARD_DROP_CONFIRMS)} (null), got {self.reward_drop_confirm!r}")
+        check(self.reward_drop_eval_field in REWARD_DROP_EVAL_FIELDS, "reward_drop_eval_field",
+              f"must be one of {', '.join(REWARD_DROP_EVAL_FIELDS)}, got {self.reward_drop_eval_field!r}")
+        check(0 < self.reward_drop_eval_fraction < 1, "reward_drop_eval_fraction",
+              f"must be in (0, 1), got {self.reward_drop_eval_fraction}")
+        check(0 < self.reward_drop_diversity_change < 1, "reward_drop_diversity_change",
+              f"must be in (0, 1), got {self.reward_drop_diversity_change}")
         check(self.collapse_confirm_steps >= 1, "collapse_confirm_steps",
               f"must be >= 1, got {self.collapse_confirm_steps}")
         check(self.alert_cooldown >= 1, "alert_cooldown", f"must be >= 1, got {self.alert_cooldown}")

@@ -40,6 +40,11 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   ``(1 - reward_drop_fraction) x`` its best value at a healthy iteration, for
   ``reward_drop_patience`` consecutive iterations, once that best is positive and at least
   ``reward_drop_min_best`` (critical; off when the fraction is null). Reactive: it reads the reward's level itself.
+  With ``reward_drop_confirm`` it also waits for a second signal: the latest held-out evaluation
+  (``eval``: ``reward_drop_eval_field`` below ``(1 - reward_drop_eval_fraction) x`` its best at a
+  healthy iteration) or the in-group answer diversity (``diversity``: ``answer_distinct_frac``'s
+  trailing mean moved by ``reward_drop_diversity_change`` x its value where the best reward was set).
+  A stream that never carried the field is judged on the reward alone.
 
 A rule alerts when its condition starts to hold, again after ``alert_cooldown``
 iterations while it keeps holding, and again when its severity escalates. A critical
@@ -76,7 +81,7 @@ def judged_view(record: Mapping) -> dict:
             view[plain] = record[better]
     return view
 _TRACKED = ("entropy", "kl_old_new", "kl_ref", "mismatch_kl", "repetition_rate", "longest_repeat",
-            "grad_norm", "reward_std", "zero_var_frac", "reward_mean")
+            "grad_norm", "reward_std", "zero_var_frac", "reward_mean", "answer_distinct_frac")
 #: Iterations in the trailing mean of the (judged) reward that the low-entropy rule compares.
 REWARD_SMOOTH = 3
 
@@ -133,6 +138,12 @@ class CollapseDetector:
         self._mastered = False
         self._trailing: Optional[float] = None
         """This record's trailing reward mean (``_trailing_reward``), read by reward_drop and the healthy update."""
+        self.latest_eval: Optional[float] = None
+        """The last value of ``reward_drop_eval_field`` a record carried (reward_drop's "eval" confirmation)."""
+        self.best_healthy_eval: Optional[float] = None
+        self.diversity_at_best: Optional[float] = None
+        """Trailing answer diversity at the iteration that set ``best_healthy_reward_trailing``."""
+        self._diversity: Optional[float] = None
         self._reset_windows()
 
     # ------------------------------------------------------------------ state
@@ -159,6 +170,9 @@ class CollapseDetector:
             "last_healthy_iteration": self.last_healthy_iteration,
             "best_healthy_reward": self.best_healthy_reward,
             "best_healthy_reward_trailing": self.best_healthy_reward_trailing,
+            "latest_eval": self.latest_eval,
+            "best_healthy_eval": self.best_healthy_eval,
+            "diversity_at_best": self.diversity_at_best,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
             "records_seen": self.records_seen,
@@ -186,6 +200,9 @@ class CollapseDetector:
         self.last_healthy_iteration = state.get("last_healthy_iteration")
         self.best_healthy_reward = state.get("best_healthy_reward")
         self.best_healthy_reward_trailing = state.get("best_healthy_reward_trailing")
+        self.latest_eval = state.get("latest_eval")
+        self.best_healthy_eval = state.get("best_healthy_eval")
+        self.diversity_at_best = state.get("diversity_at_best")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
         self.records_seen = int(state.get("records_seen", 0))
@@ -240,6 +257,10 @@ class CollapseDetector:
                 self._hist[k].append((it, float(v)))
 
         self._trailing = self._trailing_reward() if is_finite(vals["reward_mean"]) else None
+        self._diversity = self._trailing_mean("answer_distinct_frac") if is_finite(vals["answer_distinct_frac"]) else None
+        ev = record.get(self.cfg.reward_drop_eval_field)
+        if is_finite(ev):
+            self.latest_eval = float(ev)
         hits: dict[str, _Hit] = {}
         self._mastered = False
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
@@ -263,6 +284,9 @@ class CollapseDetector:
             if self._trailing is not None and (self.best_healthy_reward_trailing is None
                                                or self._trailing > self.best_healthy_reward_trailing):
                 self.best_healthy_reward_trailing = self._trailing
+                self.diversity_at_best = self._diversity
+            if is_finite(ev) and (self.best_healthy_eval is None or ev > self.best_healthy_eval):
+                self.best_healthy_eval = float(ev)
             if is_finite(r) and not self._mastered:
                 self.healthy_reward_sum += float(r)
                 self.healthy_reward_n += 1
@@ -534,9 +558,31 @@ class CollapseDetector:
 
     def _trailing_reward(self) -> Optional[float]:
         """Mean of the last ``reward_drop_window`` (judged) rewards, None before there are that many."""
+        return self._trailing_mean("reward_mean")
+
+    def _trailing_mean(self, key: str) -> Optional[float]:
+        """Mean of the last ``reward_drop_window`` values of ``key``, None before there are that many."""
         n = self.cfg.reward_drop_window
-        recent = [v for _, v in list(self._hist["reward_mean"])[-n:]]
+        recent = [v for _, v in list(self._hist[key])[-n:]]
         return statistics.fmean(recent) if len(recent) == n else None
+
+    def _second_signal(self) -> tuple[bool, str]:
+        """(whether reward_drop's second signal agrees, what it read); agrees when there is none to read."""
+        c = self.cfg
+        if c.reward_drop_confirm == "eval":
+            now, best = self.latest_eval, self.best_healthy_eval
+            if now is None or best is None or best <= 0:
+                return True, ""
+            line = (1.0 - c.reward_drop_eval_fraction) * best
+            return now < line, (f"; the latest evaluation's {c.reward_drop_eval_field} {now:.4g} is below "
+                                f"{1 - c.reward_drop_eval_fraction:g} x its best healthy value {best:.4g}")
+        if c.reward_drop_confirm == "diversity":
+            now, ref = self._diversity, self.diversity_at_best
+            if now is None or ref is None or ref <= 0:
+                return True, ""
+            return abs(now - ref) >= c.reward_drop_diversity_change * ref, (
+                f"; the answer diversity moved from {ref:.3g} to {now:.3g}")
+        return True, ""
 
     def _rule_reward_drop(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c, best, now = self.cfg, self.best_healthy_reward_trailing, self._trailing
@@ -547,10 +593,13 @@ class CollapseDetector:
         self._counters["reward_drop"] = self._counters["reward_drop"] + 1 if now < line else 0
         if self._counters["reward_drop"] < c.reward_drop_patience:
             return None
+        agrees, second = self._second_signal()
+        if not agrees:  # still not a healthy iteration (the counter runs); the alarm waits for the signal
+            return None
         key, n = self._name("reward_mean"), c.reward_drop_window
         what = key if n == 1 else f"{key} mean over the last {n} iterations"
         msg = (f"{what} {now:.4g} below {1 - c.reward_drop_fraction:g} x its best healthy value {best:.4g} "
-               f"for {self._counters['reward_drop']} iterations: the reward is falling")
+               f"for {self._counters['reward_drop']} iterations{second}: the reward is falling")
         return _Hit("critical", msg, key, self._window("reward_mean", max(n, c.reward_drop_patience)),
                     {"best_healthy_reward": best, "line": line, "fraction": c.reward_drop_fraction, "window": n})
 

@@ -16,7 +16,10 @@ Each data-parallel rank takes its share of the prompts; rank 0 of each model-par
 scores, and the sums are all-reduced, so every rank returns the same metrics. Evaluation draws
 from its own generators and never updates reward state, so it does not change the training run.
 Rank 0 prints one console line and hands the metrics to the experiment loggers, the monitor
-sidecar (kind ``eval``) and ``eval.jsonl``; ``summary.json``'s ``eval`` holds the last one.
+sidecar (kind ``eval``) and ``eval.jsonl``; ``summary.json``'s ``eval`` holds the last one. The
+record of the iteration that samples with the evaluated weights carries its main metrics as
+``eval_reward_greedy``, ``eval_accuracy_greedy``, ``eval_reward_sampled`` and ``eval_pass_at_1``,
+for the collapse detector.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from ..data.formats import load_prompts
 from ..data.prompts import Prompt, synthetic_prompts
 
 EVAL_SEED = 8_675_309
+#: Evaluation metrics the next iteration record carries, prefixed ``eval_`` (:meth:`Evaluator.record_fields`).
+RECORD_FIELDS = ("reward_greedy", "accuracy_greedy", "reward_sampled", "pass_at_1")
 
 
 def load_eval_prompts(cfg) -> list[Prompt]:
@@ -73,6 +78,7 @@ class Evaluator:
         self.prompts = ctx.eval_prompts
         self.last: Optional[dict] = None
         self.records: list[dict] = []
+        self._pending: Optional[dict] = None  # the latest evaluation, until the next iteration record takes it
         if ctx.rank == 0 and not self.prompts:
             print("[dpcc] evaluation off: data.prompts is a file and eval.data is not set", flush=True)
 
@@ -143,8 +149,18 @@ class Evaluator:
             dist.all_reduce(t)
         return dict(zip(keys, t.cpu().tolist()))
 
+    def record_fields(self, iteration: int) -> dict:
+        """``eval_<metric>`` of the evaluation taken on the weights iteration ``iteration`` samples with (after
+        ``iteration`` completed iterations), for that iteration's record, once; {} when there was none. The
+        detector reads them (monitor.reward_drop_confirm "eval")."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending["iteration"] != iteration:
+            return {}
+        return {f"eval_{k}": pending[k] for k in RECORD_FIELDS if k in pending}
+
     def _publish(self, iteration: int, metrics: dict, seconds: float) -> None:
         self.last = {"iteration": iteration, **metrics}
+        self._pending = self.last
         ctx = self.ctx
         if ctx.rank != 0:
             return

@@ -155,6 +155,8 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0,
                                       step_kl_after=probe_kl if one_step else None)
         record.update(samples.metrics)
+        if ctx.evaluator is not None:  # the evaluation of the weights this iteration sampled with, if one ran
+            record.update(ctx.evaluator.record_fields(iteration))
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
         if probe_kl is not None and dpcc_probe:  # DPCC's controller input (after several steps, not one step's KL)
             record["kl_probe"] = probe_kl

@@ -481,10 +481,77 @@ def test_reward_drop_waits_for_a_best_reward_above_the_noise_floor():
         == {"reward_drop"}
 
 
+_DROP = [0.4, 0.5, 0.45, 0.2, 0.2, 0.2]  # window 1, fraction 0.5: under the line (0.25) from iteration 3
+
+
+def _drop_records(evals=None, diversity=None):
+    recs = [{"iteration": i, "reward_mean": r} for i, r in enumerate(_DROP)]
+    for name, values in (("eval_reward_greedy", evals), ("answer_distinct_frac", diversity)):
+        for rec, v in zip(recs, values or []):
+            if v is not None:
+                rec[name] = v
+    return recs
+
+
+def test_reward_drop_confirmed_by_the_evaluation_waits_for_it_to_fall():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
+                        reward_drop_confirm="eval", reward_drop_eval_fraction=0.2)
+    at = lambda recs: [(a.rule, a.iteration, a.confirmed) for a in run_detector(recs, cfg)]  # noqa: E731
+    # the held-out reward holds (0.3 against a best of 0.3): a sampled dip, no alarm
+    assert at(_drop_records(evals=[0.3, 0.3, 0.3, 0.3, 0.3, 0.3])) == []
+    # it falls under 0.8 x 0.3 at 5: the alarm comes there, with what the evaluation read
+    recs = _drop_records(evals=[0.3, 0.3, 0.3, 0.3, 0.28, 0.2])
+    assert at(recs) == [("reward_drop", 5, True)]
+    assert "eval_reward_greedy 0.2 is below 0.8 x its best healthy value 0.3" in run_detector(recs, cfg)[0].message
+    # evaluated every few iterations: the last evaluation stays the latest until the next one
+    assert at(_drop_records(evals=[0.3, None, None, 0.3, None, None])) == []
+    assert at(_drop_records(evals=[0.3, None, None, None, 0.1, None])) == [("reward_drop", 4, True)]
+    # the iterations held back are not healthy: the rollback target stays before the drop
+    det = CollapseDetector(cfg)
+    for r in _drop_records(evals=[0.3] * 6):
+        det.update(r)
+    assert det.last_healthy_iteration == 2 and det.best_healthy_eval == 0.3
+    # no evaluation in the stream, or none with a positive best: the reward alone decides, as without the gate
+    assert at(_drop_records()) == at(_drop_records(evals=[0.0] * 6)) == [("reward_drop", 3, True)]
+    # the field is configurable: the sampled evaluation
+    sampled = [dict(r, eval_reward_sampled=0.3 if r["iteration"] < 3 else 0.05) for r in _drop_records(evals=[0.3] * 6)]
+    got = run_detector(sampled, dataclasses.replace(cfg, reward_drop_eval_field="eval_reward_sampled"))
+    assert [(a.rule, a.iteration) for a in got] == [("reward_drop", 3)]
+
+
+def test_reward_drop_confirmed_by_the_answer_diversity_in_either_direction():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
+                        reward_drop_confirm="diversity", reward_drop_diversity_change=0.2)
+    at = lambda recs: [(a.rule, a.iteration) for a in run_detector(recs, cfg)]  # noqa: E731
+    assert at(_drop_records(diversity=[0.5, 0.5, 0.5, 0.45, 0.55, 0.5])) == []  # diversity within 20%
+    assert at(_drop_records(diversity=[0.5, 0.5, 0.5, 0.45, 0.3, 0.2])) == [("reward_drop", 4)]  # a template
+    assert at(_drop_records(diversity=[0.5, 0.5, 0.5, 0.7, 0.9, 0.9])) == [("reward_drop", 3)]  # random answers
+    assert at(_drop_records()) == [("reward_drop", 3)]  # no diversity field: the reward alone
+
+
+def test_detector_state_round_trip_keeps_the_second_signals():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
+                        reward_drop_confirm="eval")
+    recs = _drop_records(evals=[0.3, 0.3, 0.3, 0.3, 0.28, 0.2], diversity=[0.5] * 6)
+    whole = CollapseDetector(cfg)
+    expected = [a.iteration for r in recs for a in whole.update(r)]
+    first = CollapseDetector(cfg)
+    for r in recs[:4]:
+        first.update(r)
+    resumed = CollapseDetector(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert (resumed.latest_eval, resumed.best_healthy_eval, resumed.diversity_at_best) == (0.3, 0.3, 0.5)
+    assert [a.iteration for r in recs[4:] for a in resumed.update(r)] == expected == [5]
+
+
 @pytest.mark.parametrize("override, message", [("monitor.reward_drop_fraction=1.0", "must be in \\(0, 1\\) or null"),
                                                ("monitor.reward_drop_patience=0", "must be >= 1"),
                                                ("monitor.reward_drop_window=0", "must be >= 1"),
-                                               ("monitor.reward_drop_min_best=-1", "must be a finite number >= 0")])
+                                               ("monitor.reward_drop_min_best=-1", "must be a finite number >= 0"),
+                                               ("monitor.reward_drop_confirm=eval_greedy", "must be one of"),
+                                               ("monitor.reward_drop_eval_field=reward_greedy", "must be one of"),
+                                               ("monitor.reward_drop_eval_fraction=0", "must be in \\(0, 1\\)"),
+                                               ("monitor.reward_drop_diversity_change=1", "must be in \\(0, 1\\)")])
 def test_reward_drop_settings_are_validated_by_name(override, message):
     with pytest.raises(ConfigError, match=f"monitor.{override.split('.')[1].split('=')[0]} {message}"):
         load_config(overrides=[override])

@@ -117,3 +117,7 @@ def test_chat_gsm8k_train_with_eval(tmp_path, data, tp, pp):
         assert other["summary"]["eval"] == ev
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [rec["iteration"] for rec in records] == [0, 1]
+    # each record carries the evaluation of the weights it sampled with (start, then eval.interval 1)
+    for rec, e in zip(records, evals):
+        assert {k: rec[f"eval_{k}"] for k in ("reward_greedy", "accuracy_greedy", "reward_sampled", "pass_at_1")} \
+            == {k: e[k] for k in ("reward_greedy", "accuracy_greedy", "reward_sampled", "pass_at_1")}

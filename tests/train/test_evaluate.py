@@ -62,3 +62,20 @@ def test_report_plots_eval_reward_over_iterations(tmp_path):
     assert any(key == "eval" for _, _, key in report.PANELS)
     with_eval = report.render_figure_png(train + evals)
     assert with_eval != report.render_figure_png(train)
+
+
+def test_the_next_record_takes_each_evaluation_once():
+    from types import SimpleNamespace
+
+    from dpcc_megatron.config import load_config
+    from dpcc_megatron.train.evaluate import Evaluator
+
+    ctx = SimpleNamespace(cfg=load_config(), eval_prompts=["p"], rank=1, loggers=None, monitor=None)
+    ev = Evaluator(ctx)
+    assert ev.record_fields(0) == {}  # nothing evaluated yet
+    ev._publish(3, {"reward_greedy": 0.5, "pass_at_1": 0.25, "response_len_greedy": 2.0, "prompts": 4}, 0.1)
+    assert ev.record_fields(2) == {}  # another iteration's weights: not this record's (and consumed)
+    assert ev.record_fields(3) == {}
+    ev._publish(3, {"reward_greedy": 0.5, "pass_at_1": 0.25, "response_len_greedy": 2.0, "prompts": 4}, 0.1)
+    assert ev.record_fields(3) == {"eval_reward_greedy": 0.5, "eval_pass_at_1": 0.25}
+    assert ev.record_fields(3) == {}  # once
