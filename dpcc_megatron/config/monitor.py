@@ -179,7 +179,8 @@ class MonitorConfig:
     waits for the next evaluation. "diversity": the trailing mean of the in-group answer diversity
     (answer_distinct_frac) has moved by at least `reward_drop_diversity_change` x its value at the
     iteration that set the best healthy reward. A run whose records never carried the field is judged
-    on the reward alone."""
+    on the reward alone, and so is a run that evaluates only at its start (eval.interval 0), until a
+    record after the first carries an evaluation."""
     reward_drop_eval_field: str = "eval_reward_greedy"
     """The evaluation field the "eval" confirmation reads: eval_reward_greedy (greedy, no sampling noise)
     or eval_reward_sampled (eval.samples answers per prompt from a generator seeded the same each time)."""

@@ -44,7 +44,8 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   (``eval``: ``reward_drop_eval_field`` below ``(1 - reward_drop_eval_fraction) x`` its best at a
   healthy iteration) or the in-group answer diversity (``diversity``: ``answer_distinct_frac``'s
   trailing mean moved by ``reward_drop_diversity_change`` x its value where the best reward was set).
-  A stream that never carried the field is judged on the reward alone.
+  A stream that never carried the field (for ``eval``: on a record after the first, i.e. a run that
+  evaluates only at its start) is judged on the reward alone.
 
 A rule alerts when its condition starts to hold, again after ``alert_cooldown``
 iterations while it keeps holding, and again when its severity escalates. A critical
@@ -141,6 +142,9 @@ class CollapseDetector:
         self.latest_eval: Optional[float] = None
         """The last value of ``reward_drop_eval_field`` a record carried (reward_drop's "eval" confirmation)."""
         self.best_healthy_eval: Optional[float] = None
+        self.periodic_eval = False
+        """Whether a record after the first carried an evaluation: the run evaluates every eval.interval
+        iterations, not only at its start, so the "eval" confirmation has evaluations to wait for."""
         self.diversity_at_best: Optional[float] = None
         """Trailing answer diversity at the iteration that set ``best_healthy_reward_trailing``."""
         self._diversity: Optional[float] = None
@@ -172,6 +176,7 @@ class CollapseDetector:
             "best_healthy_reward_trailing": self.best_healthy_reward_trailing,
             "latest_eval": self.latest_eval,
             "best_healthy_eval": self.best_healthy_eval,
+            "periodic_eval": self.periodic_eval,
             "diversity_at_best": self.diversity_at_best,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
@@ -202,6 +207,7 @@ class CollapseDetector:
         self.best_healthy_reward_trailing = state.get("best_healthy_reward_trailing")
         self.latest_eval = state.get("latest_eval")
         self.best_healthy_eval = state.get("best_healthy_eval")
+        self.periodic_eval = bool(state.get("periodic_eval", False))
         self.diversity_at_best = state.get("diversity_at_best")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
@@ -261,6 +267,7 @@ class CollapseDetector:
         ev = record.get(self.cfg.reward_drop_eval_field)
         if is_finite(ev):
             self.latest_eval = float(ev)
+            self.periodic_eval = self.periodic_eval or it > 0
         hits: dict[str, _Hit] = {}
         self._mastered = False
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
@@ -571,7 +578,7 @@ class CollapseDetector:
         c = self.cfg
         if c.reward_drop_confirm == "eval":
             now, best = self.latest_eval, self.best_healthy_eval
-            if now is None or best is None or best <= 0:
+            if not self.periodic_eval or now is None or best is None or best <= 0:
                 return True, ""
             line = (1.0 - c.reward_drop_eval_fraction) * best
             return now < line, (f"; the latest evaluation's {c.reward_drop_eval_field} {now:.4g} is below "

@@ -505,7 +505,7 @@ def test_reward_drop_confirmed_by_the_evaluation_waits_for_it_to_fall():
     assert "eval_reward_greedy 0.2 is below 0.8 x its best healthy value 0.3" in run_detector(recs, cfg)[0].message
     # evaluated every few iterations: the last evaluation stays the latest until the next one
     assert at(_drop_records(evals=[0.3, None, None, 0.3, None, None])) == []
-    assert at(_drop_records(evals=[0.3, None, None, None, 0.1, None])) == [("reward_drop", 4, True)]
+    assert at(_drop_records(evals=[0.3, None, 0.3, None, 0.1, None])) == [("reward_drop", 4, True)]
     # the iterations held back are not healthy: the rollback target stays before the drop
     det = CollapseDetector(cfg)
     for r in _drop_records(evals=[0.3] * 6):
@@ -513,6 +513,9 @@ def test_reward_drop_confirmed_by_the_evaluation_waits_for_it_to_fall():
     assert det.last_healthy_iteration == 2 and det.best_healthy_eval == 0.3
     # no evaluation in the stream, or none with a positive best: the reward alone decides, as without the gate
     assert at(_drop_records()) == at(_drop_records(evals=[0.0] * 6)) == [("reward_drop", 3, True)]
+    # a run that evaluates only at its start (eval.interval 0) has no evaluation to wait for: the reward decides
+    assert at(_drop_records(evals=[0.3])) == [("reward_drop", 3, True)]
+    assert at(_drop_records(evals=[0.3, None, None, None, None, 0.3])) == [("reward_drop", 3, True)]
     # the field is configurable: the sampled evaluation
     sampled = [dict(r, eval_reward_sampled=0.3 if r["iteration"] < 3 else 0.05) for r in _drop_records(evals=[0.3] * 6)]
     got = run_detector(sampled, dataclasses.replace(cfg, reward_drop_eval_field="eval_reward_sampled"))
@@ -541,6 +544,7 @@ def test_detector_state_round_trip_keeps_the_second_signals():
     resumed = CollapseDetector(cfg)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert (resumed.latest_eval, resumed.best_healthy_eval, resumed.diversity_at_best) == (0.3, 0.3, 0.5)
+    assert resumed.periodic_eval
     assert [a.iteration for r in recs[4:] for a in resumed.update(r)] == expected == [5]
 
 
