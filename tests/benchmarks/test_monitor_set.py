@@ -284,3 +284,25 @@ def test_first_alarms_counts_each_alarmed_stream_once_by_its_first_confirmed_cri
     assert counts["streams"] == {"healthy": 2, "collapse": 1}
     assert counts["healthy"] == {("kl_drift", "iteration <= 1", 2): 1}
     assert counts["collapse"] == {("kl_drift", "iteration <= 1", 2): 1}
+
+
+def test_thin_evals_keeps_evaluations_every_n_iterations(tmp_path):
+    from benchmarks.monitor.calibrate import load_streams
+    from benchmarks.monitor.thin_evals import thin_folder
+
+    src = tmp_path / "src"
+    (src / "streams").mkdir(parents=True)
+    recs = [{"iteration": i, "reward_mean": 0.3, "eval_reward_greedy": 0.2 + i / 100} for i in range(7)]
+    (src / "streams" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (src / "labels.jsonl").write_text(json.dumps({"stream": "streams/a.jsonl", "label": "healthy", "split": "dev"}) + "\n")
+    assert thin_folder(src, tmp_path / "dest", 5) == 1
+    got = [json.loads(x) for x in (tmp_path / "dest" / "streams" / "a.jsonl").read_text().splitlines()]
+    assert [i for i, r in enumerate(got) if "eval_reward_greedy" in r] == [0, 5]
+    assert all(r["reward_mean"] == 0.3 for r in got)
+    # calibrate's --eval-every reads the same thinning, and 1 keeps everything
+    ((_, _, thinned),) = load_streams(read=[str(src)], eval_every=5)
+    assert [i for i, r in enumerate(thinned) if "eval_reward_greedy" in r] == [0, 5]
+    ((_, _, whole),) = load_streams(read=[str(src)])
+    assert [r["eval_reward_greedy"] for r in whole] == [r["eval_reward_greedy"] for r in recs]
+    with pytest.raises(ValueError, match="--every"):
+        thin_folder(src, tmp_path / "d2", 0)
