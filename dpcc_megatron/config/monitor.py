@@ -171,7 +171,7 @@ class MonitorConfig:
     """reward_drop acts only once the best healthy trailing reward reaches this (in the reward's units; a
     pass rate here): half of a best of a few percent is within the sampling noise of one iteration's
     mean, and a run that has barely started to learn has nothing to roll back to."""
-    reward_drop_confirm: Optional[str] = None
+    reward_drop_confirm: Optional[str] = "eval"
     """A second signal reward_drop waits for before it raises its critical (its iterations below the line
     are not healthy either way). None: the reward alone. "eval": the latest held-out evaluation's
     `reward_drop_eval_field` (eval.interval; the trainer puts each evaluation into the next iteration's
@@ -184,7 +184,7 @@ class MonitorConfig:
     reward_drop_eval_field: str = "eval_reward_greedy"
     """The evaluation field the "eval" confirmation reads: eval_reward_greedy (greedy, no sampling noise)
     or eval_reward_sampled (eval.samples answers per prompt from a generator seeded the same each time)."""
-    reward_drop_eval_fraction: float = 0.2
+    reward_drop_eval_fraction: float = 0.3
     """The "eval" confirmation: how far below its best healthy value the evaluation reward must be."""
     reward_drop_diversity_change: float = 0.2
     """The "diversity" confirmation: the relative change of the answer diversity that counts."""

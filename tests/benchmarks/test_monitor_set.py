@@ -234,7 +234,10 @@ def test_evaluate_command_on_a_committed_subset(tmp_path):
 #: The detector values of the fourth and the fifth calibration (the defaults their readings were made with).
 FOURTH = {"kl_critical_threshold": 1.0, "kl_sustained_window": 3, "kl_one_step_factor": 1.0, "reward_drop_fraction": None}
 FIFTH = {"kl_critical_threshold": 0.5, "kl_sustained_window": 2, "kl_one_step_factor": 3.0, "reward_drop_fraction": None}
-SIXTH = {**FIFTH, "reward_drop_fraction": 0.5, "reward_drop_patience": 1, "reward_drop_window": 3}
+SIXTH = {**FIFTH, "reward_drop_fraction": 0.5, "reward_drop_patience": 1, "reward_drop_window": 3,
+         "reward_drop_confirm": None}
+SEVENTH = {**SIXTH, "reward_drop_confirm": "eval", "reward_drop_eval_field": "eval_reward_greedy",
+           "reward_drop_eval_fraction": 0.3}
 
 
 def _reported_readings() -> list[dict]:
@@ -263,8 +266,8 @@ def test_committed_readings_reproduce():
         cfg = dataclasses.replace(MonitorConfig(), **values)
         _, scores = evaluate(folder, cfg, split, seeds)
         assert scores in reported, (folder.name, scores)
-    # the shipped defaults are the sixth calibration's choice
-    assert all(getattr(MonitorConfig(), k) == v for k, v in SIXTH.items())
+    # the shipped defaults are the seventh calibration's choice
+    assert all(getattr(MonitorConfig(), k) == v for k, v in SEVENTH.items())
     # and the readings differ: a score line that matched anything would not be a check
     assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 6
 
