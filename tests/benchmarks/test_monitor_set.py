@@ -117,10 +117,11 @@ def test_committed_grid_sets_match_their_labels_and_steps(name):
         assert all(r["optimizer_steps"] == steps for r in records), x["stream"]
 
 
-#: The fresh held-out parts of the fifth and sixth calibrations: folder, the families' seeds, the grids' seeds
+#: The fresh held-out parts of the fifth, sixth and seventh calibrations: folder, the families' seeds, the grids' seeds
 #: (none of which an earlier part used).
 HELDOUT_PARTS = [("labelled-fifth", (47, 48), set(range(701, 713)) | set(range(801, 807))),
-                 ("labelled-sixth", (49, 50), set(range(713, 725)) | set(range(807, 813)))]
+                 ("labelled-sixth", (49, 50), set(range(713, 725)) | set(range(807, 813))),
+                 ("labelled-seventh", HELDOUT_SEEDS, set(range(725, 737)) | set(range(813, 819)))]
 
 
 @pytest.mark.parametrize("folder, family_seeds, grid_seeds", HELDOUT_PARTS, ids=[p[0] for p in HELDOUT_PARTS])
@@ -130,8 +131,10 @@ def test_committed_heldout_parts_match_their_labels_and_seeds(folder, family_see
     fams = {x["family"] for x in labels}
     assert {f.name for f in FAMILIES} < fams and {"grid-addition1-1step", "grid-sorting3-2step-4layer"} < fams
     for x in labels:
-        _relabel_matches(x)
+        records = _relabel_matches(x)
         assert x["seed"] in (family_seeds if x["family"] in {f.name for f in FAMILIES} else grid_seeds), x["stream"]
+        if folder == "labelled-seventh":  # trained with an evaluation every iteration and the diversity field
+            assert all("eval_reward_greedy" in r and "answer_distinct_frac" in r for r in records), x["stream"]
 
 
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
@@ -256,7 +259,9 @@ def test_committed_readings_reproduce():
 
     reported = _reported_readings()
     # (folder, detector values, split, seeds): seeds 45-46 were read as held out, then filed under dev
-    readings = [(LABELLED.parent / "labelled-sixth", SIXTH, "heldout", None),
+    readings = [(LABELLED.parent / "labelled-seventh", SEVENTH, "heldout", None),
+                (LABELLED.parent / "labelled-seventh", SIXTH, "heldout", None),
+                (LABELLED.parent / "labelled-sixth", SIXTH, "heldout", None),
                 (LABELLED.parent / "labelled-sixth", FIFTH, "heldout", None),
                 (LABELLED.parent / "labelled-fifth", FIFTH, "heldout", None),
                 (LABELLED.parent / "labelled-grids", FOURTH, "heldout", None),
@@ -269,7 +274,7 @@ def test_committed_readings_reproduce():
     # the shipped defaults are the seventh calibration's choice
     assert all(getattr(MonitorConfig(), k) == v for k, v in SEVENTH.items())
     # and the readings differ: a score line that matched anything would not be a check
-    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 6
+    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 8
 
 
 def test_first_alarms_counts_each_alarmed_stream_once_by_its_first_confirmed_critical():
