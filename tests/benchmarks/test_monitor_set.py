@@ -314,3 +314,18 @@ def test_thin_evals_keeps_evaluations_every_n_iterations(tmp_path):
     assert [r["eval_reward_greedy"] for r in whole] == [r["eval_reward_greedy"] for r in recs]
     with pytest.raises(ValueError, match="--every"):
         thin_folder(src, tmp_path / "d2", 0)
+
+
+def test_early_eval_falls_counts_early_alarms_whose_evaluation_fell():
+    from benchmarks.monitor.first_alarms import early_eval_falls
+    from dpcc_megatron.config.monitor import MonitorConfig
+
+    def stream(kl0, evals):
+        return [{"iteration": i, "entropy": 0.8, "kl_step_max": kl0 if i == 0 else 0.01, "reward_base_mean": 0.3,
+                 "optimizer_steps": 2, "eval_reward_greedy": e} for i, e in enumerate(evals)]
+
+    streams = [("a", "healthy", stream(2.0, [0.4, 0.2, 0.3, 0.4, 0.4])),  # runaway, evaluation halved
+               ("b", "healthy", stream(2.0, [0.4, 0.38, 0.4, 0.4, 0.4])),  # runaway, evaluation held
+               ("c", "collapse", stream(0.01, [0.4, 0.1, 0.1, 0.1, 0.1])),  # no early alarm: not counted
+               ("d", "collapse", stream(2.0, [0.4, 0.4, None, 0.1, 0.1]))]  # not evaluated every iteration
+    assert early_eval_falls(streams, MonitorConfig(), 0.2) == {"healthy": (2, 1)}
