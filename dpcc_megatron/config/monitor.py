@@ -176,16 +176,21 @@ class MonitorConfig:
     are not healthy either way). None: the reward alone. "eval": the latest held-out evaluation's
     `reward_drop_eval_field` (eval.interval; the trainer puts each evaluation into the next iteration's
     record) is below (1 - `reward_drop_eval_fraction`) x its best at a healthy iteration, so the rule
-    waits for the next evaluation. "diversity": the trailing mean of the in-group answer diversity
+    waits for the next evaluation, but holds the alarm back for at most `reward_drop_eval_max_age`
+    iterations after an evaluation. "diversity": the trailing mean of the in-group answer diversity
     (answer_distinct_frac) has moved by at least `reward_drop_diversity_change` x its value at the
-    iteration that set the best healthy reward. A run whose records never carried the field is judged
-    on the reward alone, and so is a run that evaluates only at its start (eval.interval 0), until a
-    record after the first carries an evaluation."""
+    iteration that set the best healthy reward. Without the field the reward alone decides; for "eval"
+    also in a run that evaluates only at its start (eval.interval 0, the default)."""
     reward_drop_eval_field: str = "eval_reward_greedy"
     """The evaluation field the "eval" confirmation reads: eval_reward_greedy (greedy, no sampling noise)
     or eval_reward_sampled (eval.samples answers per prompt from a generator seeded the same each time)."""
     reward_drop_eval_fraction: float = 0.3
     """The "eval" confirmation: how far below its best healthy value the evaluation reward must be."""
+    reward_drop_eval_max_age: int = 10
+    """The "eval" confirmation: an evaluation this many iterations old or older holds nothing back (the
+    reward alone decides), so with a long eval.interval a stale evaluation delays a collapse alarm by at
+    most this. A bound chosen without data: the seventh calibration's readings (evaluations every 1 and
+    every 5 iterations) are the same for any value from 5 up."""
     reward_drop_diversity_change: float = 0.2
     """The "diversity" confirmation: the relative change of the answer diversity that counts."""
     collapse_confirm_steps: int = 1
@@ -323,6 +328,8 @@ class MonitorConfig:
               f"must be one of {', '.join(REWARD_DROP_EVAL_FIELDS)}, got {self.reward_drop_eval_field!r}")
         check(0 < self.reward_drop_eval_fraction < 1, "reward_drop_eval_fraction",
               f"must be in (0, 1), got {self.reward_drop_eval_fraction}")
+        check(self.reward_drop_eval_max_age >= 1, "reward_drop_eval_max_age",
+              f"must be >= 1, got {self.reward_drop_eval_max_age}")
         check(0 < self.reward_drop_diversity_change < 1, "reward_drop_diversity_change",
               f"must be in (0, 1), got {self.reward_drop_diversity_change}")
         check(self.collapse_confirm_steps >= 1, "collapse_confirm_steps",

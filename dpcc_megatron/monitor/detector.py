@@ -44,8 +44,8 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   (``eval``: ``reward_drop_eval_field`` below ``(1 - reward_drop_eval_fraction) x`` its best at a
   healthy iteration) or the in-group answer diversity (``diversity``: ``answer_distinct_frac``'s
   trailing mean moved by ``reward_drop_diversity_change`` x its value where the best reward was set).
-  A stream that never carried the field (for ``eval``: on a record after the first, i.e. a run that
-  evaluates only at its start) is judged on the reward alone.
+  Without the field the reward alone decides; for ``eval`` also in a run that evaluates only at its
+  start, and once the latest evaluation is ``reward_drop_eval_max_age`` iterations old.
 
 A rule alerts when its condition starts to hold, again after ``alert_cooldown``
 iterations while it keeps holding, and again when its severity escalates. A critical
@@ -142,6 +142,8 @@ class CollapseDetector:
         self.latest_eval: Optional[float] = None
         """The last value of ``reward_drop_eval_field`` a record carried (reward_drop's "eval" confirmation)."""
         self.best_healthy_eval: Optional[float] = None
+        self.latest_eval_iteration: Optional[int] = None
+        """The iteration whose record carried ``latest_eval`` (its age is bounded by reward_drop_eval_max_age)."""
         self.periodic_eval = False
         """Whether a record after the first carried an evaluation: the run evaluates every eval.interval
         iterations, not only at its start, so the "eval" confirmation has evaluations to wait for."""
@@ -176,6 +178,7 @@ class CollapseDetector:
             "best_healthy_reward_trailing": self.best_healthy_reward_trailing,
             "latest_eval": self.latest_eval,
             "best_healthy_eval": self.best_healthy_eval,
+            "latest_eval_iteration": self.latest_eval_iteration,
             "periodic_eval": self.periodic_eval,
             "diversity_at_best": self.diversity_at_best,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
@@ -207,6 +210,7 @@ class CollapseDetector:
         self.best_healthy_reward_trailing = state.get("best_healthy_reward_trailing")
         self.latest_eval = state.get("latest_eval")
         self.best_healthy_eval = state.get("best_healthy_eval")
+        self.latest_eval_iteration = state.get("latest_eval_iteration")
         self.periodic_eval = bool(state.get("periodic_eval", False))
         self.diversity_at_best = state.get("diversity_at_best")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
@@ -266,7 +270,7 @@ class CollapseDetector:
         self._diversity = self._trailing_mean("answer_distinct_frac") if is_finite(vals["answer_distinct_frac"]) else None
         ev = record.get(self.cfg.reward_drop_eval_field)
         if is_finite(ev):
-            self.latest_eval = float(ev)
+            self.latest_eval, self.latest_eval_iteration = float(ev), it
             self.periodic_eval = self.periodic_eval or it > 0
         hits: dict[str, _Hit] = {}
         self._mastered = False
@@ -573,13 +577,14 @@ class CollapseDetector:
         recent = [v for _, v in list(self._hist[key])[-n:]]
         return statistics.fmean(recent) if len(recent) == n else None
 
-    def _second_signal(self) -> tuple[bool, str]:
+    def _second_signal(self, it: int) -> tuple[bool, str]:
         """(whether reward_drop's second signal agrees, what it read); agrees when there is none to read."""
         c = self.cfg
         if c.reward_drop_confirm == "eval":
-            now, best = self.latest_eval, self.best_healthy_eval
-            if not self.periodic_eval or now is None or best is None or best <= 0:
-                return True, ""
+            now, best, at = self.latest_eval, self.best_healthy_eval, self.latest_eval_iteration
+            if (not self.periodic_eval or now is None or at is None or it - at >= c.reward_drop_eval_max_age
+                    or best is None or best <= 0):
+                return True, ""  # no evaluation to wait for, or too old to hold the alarm back: the reward alone
             line = (1.0 - c.reward_drop_eval_fraction) * best
             return now < line, (f"; the latest evaluation's {c.reward_drop_eval_field} {now:.4g} is below "
                                 f"{1 - c.reward_drop_eval_fraction:g} x its best healthy value {best:.4g}")
@@ -600,7 +605,7 @@ class CollapseDetector:
         self._counters["reward_drop"] = self._counters["reward_drop"] + 1 if now < line else 0
         if self._counters["reward_drop"] < c.reward_drop_patience:
             return None
-        agrees, second = self._second_signal()
+        agrees, second = self._second_signal(it)
         if not agrees:  # still not a healthy iteration (the counter runs); the alarm waits for the signal
             return None
         key, n = self._name("reward_mean"), c.reward_drop_window

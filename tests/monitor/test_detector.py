@@ -513,13 +513,29 @@ def test_reward_drop_confirmed_by_the_evaluation_waits_for_it_to_fall():
     assert det.last_healthy_iteration == 2 and det.best_healthy_eval == 0.3
     # no evaluation in the stream, or none with a positive best: the reward alone decides, as without the gate
     assert at(_drop_records()) == at(_drop_records(evals=[0.0] * 6)) == [("reward_drop", 3, True)]
-    # a run that evaluates only at its start (eval.interval 0) has no evaluation to wait for: the reward decides
+    # a run that evaluates only at its start (eval.interval 0): the reward decides, as without the gate
     assert at(_drop_records(evals=[0.3])) == [("reward_drop", 3, True)]
     assert at(_drop_records(evals=[0.3, None, None, None, None, 0.3])) == [("reward_drop", 3, True)]
     # the field is configurable: the sampled evaluation
     sampled = [dict(r, eval_reward_sampled=0.3 if r["iteration"] < 3 else 0.05) for r in _drop_records(evals=[0.3] * 6)]
     got = run_detector(sampled, dataclasses.replace(cfg, reward_drop_eval_field="eval_reward_sampled"))
     assert [(a.rule, a.iteration) for a in got] == [("reward_drop", 3)]
+
+
+def test_a_stale_evaluation_holds_reward_drop_back_for_at_most_its_max_age():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
+                        reward_drop_confirm="eval", reward_drop_eval_fraction=0.3, reward_drop_eval_max_age=4)
+    rewards = [0.4] * 3 + [0.1] * 9  # under the line (0.2) from iteration 3
+
+    def at(evals):
+        recs = [{"iteration": i, "reward_mean": r, **({"eval_reward_greedy": evals[i]} if i in evals else {})}
+                for i, r in enumerate(rewards)]
+        return [(a.rule, a.iteration) for a in run_detector(recs, cfg)]
+
+    assert at({0: 0.3}) == [("reward_drop", 3)]  # only the start's evaluation: the reward alone
+    assert at({0: 0.3, 2: 0.3}) == [("reward_drop", 6)]  # 2's holds 3-5 back (age < 4), not 6
+    assert at({0: 0.3, 2: 0.3, 5: 0.1}) == [("reward_drop", 5)]  # the next evaluation fell
+    assert at({0: 0.3, 2: 0.3, 5: 0.3}) == [("reward_drop", 9)]  # a fresh one that holds: 4 more
 
 
 def test_reward_drop_confirmed_by_the_answer_diversity_in_either_direction():
@@ -544,7 +560,7 @@ def test_detector_state_round_trip_keeps_the_second_signals():
     resumed = CollapseDetector(cfg)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert (resumed.latest_eval, resumed.best_healthy_eval, resumed.diversity_at_best) == (0.3, 0.3, 0.5)
-    assert resumed.periodic_eval
+    assert resumed.latest_eval_iteration == 3 and resumed.periodic_eval
     assert [a.iteration for r in recs[4:] for a in resumed.update(r)] == expected == [5]
 
 
@@ -555,6 +571,7 @@ def test_detector_state_round_trip_keeps_the_second_signals():
                                                ("monitor.reward_drop_confirm=eval_greedy", "must be one of"),
                                                ("monitor.reward_drop_eval_field=reward_greedy", "must be one of"),
                                                ("monitor.reward_drop_eval_fraction=0", "must be in \\(0, 1\\)"),
+                                               ("monitor.reward_drop_eval_max_age=0", "must be >= 1"),
                                                ("monitor.reward_drop_diversity_change=1", "must be in \\(0, 1\\)")])
 def test_reward_drop_settings_are_validated_by_name(override, message):
     with pytest.raises(ConfigError, match=f"monitor.{override.split('.')[1].split('=')[0]} {message}"):
