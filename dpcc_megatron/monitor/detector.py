@@ -245,6 +245,7 @@ class CollapseDetector:
             if self.last_iteration is not None and it <= self.last_iteration:
                 # it rewound: the windows describe iterations that no longer exist; keep the band
                 self._reset_windows()
+                self.latest_eval = self.latest_eval_iteration = None  # it evaluated the abandoned branch
                 if self.last_healthy_iteration is not None:
                     self.last_healthy_iteration = min(self.last_healthy_iteration, it - 1)
         self.last_iteration = it

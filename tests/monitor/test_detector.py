@@ -538,6 +538,23 @@ def test_a_stale_evaluation_holds_reward_drop_back_for_at_most_its_max_age():
     assert at({0: 0.3, 2: 0.3, 5: 0.3}) == [("reward_drop", 9)]  # a fresh one that holds: 4 more
 
 
+def test_a_rewind_forgets_the_abandoned_branchs_evaluation():
+    cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
+                        reward_drop_confirm="eval", reward_drop_eval_fraction=0.3)
+    det = CollapseDetector(cfg)
+    for r in _drop_records(evals=[0.3, 0.3, 0.3, 0.3, 0.1, 0.1]):
+        det.update(r)
+    assert det.latest_eval == 0.1
+    # back at iteration 2 in a new attempt: the low evaluation was of weights that no longer exist
+    det.update({"iteration": 2, "attempt": 1, "reward_mean": 0.45, "eval_reward_greedy": 0.3})
+    assert (det.latest_eval, det.latest_eval_iteration) == (0.3, 2)
+    det2 = CollapseDetector(cfg)
+    for r in _drop_records(evals=[0.3, 0.3, 0.3, 0.3, 0.1, 0.1]):
+        det2.update(r)
+    det2.update({"iteration": 2, "attempt": 1, "reward_mean": 0.45})
+    assert det2.latest_eval is None and det2.latest_eval_iteration is None
+
+
 def test_reward_drop_confirmed_by_the_answer_diversity_in_either_direction():
     cfg = MonitorConfig(reward_drop_fraction=0.5, reward_drop_window=1, collapse_confirm_steps=1,
                         reward_drop_confirm="diversity", reward_drop_diversity_change=0.2)
