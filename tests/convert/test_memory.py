@@ -19,5 +19,7 @@ def test_both_directions_hold_about_one_layer(tmp_path):
     assert model > 5 * layer
     for direction in ("hf_to_mcore", "mcore_to_hf"):
         for key, peak in r[direction].items():
-            # A converter that held the model would grow by more than `model` bytes.
-            assert peak < 3 * layer, f"{direction} {key}: {peak / 2**20:.1f} MiB for {layer / 2**20:.1f} MiB layers"
+            # A converter that held the model would grow by more than `model` bytes (about 6.3 layers here).
+            # mcore_to_hf peaks at 1.8-2.8 layers (one layer's shards, its HF tensors and the write buffer),
+            # and once measured 3.2 on a clean CI run, so the bound is 4 layers, well clear of the model.
+            assert peak < 4 * layer, f"{direction} {key}: {peak / 2**20:.1f} MiB for {layer / 2**20:.1f} MiB layers"
