@@ -48,15 +48,14 @@ from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR,
                                        run_overrides, steps_per_iteration)
 from benchmarks.stability.run import ensure_warm_start, parse_sets, train_once
 
+from dpcc_megatron.train.evaluate import RECORD_FIELDS
+
 from .labels import label_stream
 
 #: The fields of a trainer record the detector (and the labelling rule) reads; the rest is dropped.
 KEEP = ("iteration", "entropy", "kl_old_new", "kl_step_max", "kl_estimator", "kl_ref", "mismatch_kl",
         "repetition_rate", "longest_repeat", "grad_norm", "reward_mean", "reward_std", "zero_var_frac",
         "reward_base_mean", "reward_base_std", "zero_var_frac_base", "optimizer_steps", "answer_distinct_frac")
-#: Held-out evaluation fields (eval.jsonl) joined into the record of the iteration they were taken before,
-#: prefixed ``eval_``: runs with ``eval.interval`` 1 have them on every record.
-EVAL_KEEP = ("reward_greedy", "reward_sampled", "pass_at_1")
 
 
 @dataclass(frozen=True)
@@ -167,8 +166,9 @@ def trim(records: list[dict]) -> list[dict]:
 
 
 def read_evals(run_dir: Path) -> dict[int, dict]:
-    """Iteration -> ``eval_<field>`` of the run's held-out evaluations (eval.jsonl; none: {}). An evaluation
-    at iteration i was taken on the weights iteration i's rollouts were sampled from."""
+    """Iteration -> ``eval_<field>`` of the run's held-out evaluations (eval.jsonl; none: {}), the fields the
+    trainer now puts into records itself (``RECORD_FIELDS``), for runs made before it did. An evaluation at
+    iteration i was taken on the weights iteration i's rollouts were sampled from."""
     path = run_dir / "eval.jsonl"
     if not path.is_file():
         return {}
@@ -176,7 +176,7 @@ def read_evals(run_dir: Path) -> dict[int, dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             e = json.loads(line)
-            out[int(e["iteration"])] = {f"eval_{k}": _short(e[k]) for k in EVAL_KEEP if e.get(k) is not None}
+            out[int(e["iteration"])] = {f"eval_{k}": _short(e[k]) for k in RECORD_FIELDS if e.get(k) is not None}
     return out
 
 

@@ -143,10 +143,8 @@ class CollapseDetector:
         """The last value of ``reward_drop_eval_field`` a record carried (reward_drop's "eval" confirmation)."""
         self.best_healthy_eval: Optional[float] = None
         self.latest_eval_iteration: Optional[int] = None
-        """The iteration whose record carried ``latest_eval`` (its age is bounded by reward_drop_eval_max_age)."""
-        self.periodic_eval = False
-        """Whether a record after the first carried an evaluation: the run evaluates every eval.interval
-        iterations, not only at its start, so the "eval" confirmation has evaluations to wait for."""
+        """The iteration whose record carried ``latest_eval``: 0 in a run that evaluates only at its start
+        (nothing to wait for); its age is bounded by reward_drop_eval_max_age."""
         self.diversity_at_best: Optional[float] = None
         """Trailing answer diversity at the iteration that set ``best_healthy_reward_trailing``."""
         self._diversity: Optional[float] = None
@@ -179,7 +177,6 @@ class CollapseDetector:
             "latest_eval": self.latest_eval,
             "best_healthy_eval": self.best_healthy_eval,
             "latest_eval_iteration": self.latest_eval_iteration,
-            "periodic_eval": self.periodic_eval,
             "diversity_at_best": self.diversity_at_best,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
@@ -211,7 +208,6 @@ class CollapseDetector:
         self.latest_eval = state.get("latest_eval")
         self.best_healthy_eval = state.get("best_healthy_eval")
         self.latest_eval_iteration = state.get("latest_eval_iteration")
-        self.periodic_eval = bool(state.get("periodic_eval", False))
         self.diversity_at_best = state.get("diversity_at_best")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
@@ -272,7 +268,6 @@ class CollapseDetector:
         ev = record.get(self.cfg.reward_drop_eval_field)
         if is_finite(ev):
             self.latest_eval, self.latest_eval_iteration = float(ev), it
-            self.periodic_eval = self.periodic_eval or it > 0
         hits: dict[str, _Hit] = {}
         self._mastered = False
         for rule, fn in (("non_finite", self._rule_non_finite), ("high_entropy", self._rule_high_entropy),
@@ -583,8 +578,7 @@ class CollapseDetector:
         c = self.cfg
         if c.reward_drop_confirm == "eval":
             now, best, at = self.latest_eval, self.best_healthy_eval, self.latest_eval_iteration
-            if (not self.periodic_eval or now is None or at is None or it - at >= c.reward_drop_eval_max_age
-                    or best is None or best <= 0):
+            if now is None or not at or it - at >= c.reward_drop_eval_max_age or best is None or best <= 0:
                 return True, ""  # no evaluation to wait for, or too old to hold the alarm back: the reward alone
             line = (1.0 - c.reward_drop_eval_fraction) * best
             return now < line, (f"; the latest evaluation's {c.reward_drop_eval_field} {now:.4g} is below "

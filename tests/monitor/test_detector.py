@@ -577,7 +577,7 @@ def test_detector_state_round_trip_keeps_the_second_signals():
     resumed = CollapseDetector(cfg)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert (resumed.latest_eval, resumed.best_healthy_eval, resumed.diversity_at_best) == (0.3, 0.3, 0.5)
-    assert resumed.latest_eval_iteration == 3 and resumed.periodic_eval
+    assert resumed.latest_eval_iteration == 3
     assert [a.iteration for r in recs[4:] for a in resumed.update(r)] == expected == [5]
 
 
