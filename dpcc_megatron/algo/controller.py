@@ -148,7 +148,7 @@ class DPCCController:
             if probe:
                 self.counters["drift_triggers"] += int(kl > c.drift_threshold)
                 self.lr_scale = kl_target_scale(self.lr_scale, kl, c.drift_threshold, c.kl_target_gain,
-                                                c.lr_scale_min)
+                                                c.lr_scale_min, c.lr_scale_max_raise)
             return
         if self.drift > c.drift_threshold:
             self.counters["drift_triggers"] += 1

@@ -65,11 +65,12 @@ def drift_lr_factor(drift: float, threshold: float) -> float:
 KL_TARGET_MAX_STEP = 2.0
 
 
-def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_min: float) -> float:
+def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_min: float,
+                    max_raise: float = KL_TARGET_MAX_STEP) -> float:
     """The KL-target rule's next LR scale after one drift reading ``kl`` (nats per token).
 
-    log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), the per-reading change
-    limited to a factor of ``KL_TARGET_MAX_STEP``. The scale latches: it falls while the drift is
+    log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), a cut limited to a factor of
+    ``KL_TARGET_MAX_STEP`` per reading and a raise to a factor of ``max_raise`` (> 1). The scale latches: it falls while the drift is
     above ``target`` and recovers toward 1 while it is below, instead of resetting every step. With
     Adam the drift grows about as the square of the step size, so gain 0.5 corrects a reading in one go.
     A reading of 0 (or below: a k1 estimate) counts as far below the target."""
@@ -79,11 +80,13 @@ def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_m
         raise ValueError(f"target must be > 0 and gain >= 0, got target={target}, gain={gain}")
     if math.isnan(kl):
         raise ValueError("kl must not be NaN")
-    limit = math.log(KL_TARGET_MAX_STEP)
+    if not max_raise > 1:
+        raise ValueError(f"max_raise must be > 1, got {max_raise}")
+    cut, raise_ = math.log(KL_TARGET_MAX_STEP), math.log(max_raise)
     if kl <= 0:
-        change = limit
+        change = raise_
     elif math.isinf(kl):
-        change = -limit
+        change = -cut
     else:
-        change = min(max(-gain * math.log(kl / target), -limit), limit)
+        change = min(max(-gain * math.log(kl / target), -cut), raise_)
     return min(1.0, max(scale_min, scale * math.exp(change)))

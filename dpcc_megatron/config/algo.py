@@ -110,7 +110,11 @@ class DPCCConfig:
     """`kl_target`: the smallest LR scale the rule may reach."""
     lr_scale_init: float = 1.0
     """`kl_target`: the scale the run starts at, in [lr_scale_min, 1]. Below 1 it is a warm-up that lasts
-    only as long as the drift says: the rule raises it (at most 2x per reading) while the drift is low."""
+    only as long as the drift says: the rule raises it (at most `lr_scale_max_raise` per reading) while
+    the drift is low."""
+    lr_scale_max_raise: float = 2.0
+    """`kl_target`: the largest factor (> 1) by which one reading may raise the scale; a cut is at most a
+    factor of 2 per reading whatever this is. Below 2 the scale recovers more slowly than it falls."""
     drift_score: Optional[Literal["kl", "kl_ema"]] = None
     """d: `kl` is the KL measured after the step just taken (reacts at once, paper); `kl_ema` is the smoothed
     D, which latches and recovers across iterations (calibrated)."""
@@ -163,8 +167,9 @@ class DPCCConfig:
         check(0 < self.lr_scale_min <= 1, "lr_scale_min", f"must be in (0, 1], got {self.lr_scale_min}")
         check(self.lr_scale_min <= self.lr_scale_init <= 1, "lr_scale_init",
               f"must be in [lr_scale_min={self.lr_scale_min}, 1], got {self.lr_scale_init}")
+        check(self.lr_scale_max_raise > 1, "lr_scale_max_raise", f"must be > 1, got {self.lr_scale_max_raise}")
         if self.drift_lr_rule != "kl_target":  # the rule's own keys would be accepted and ignored
-            for name in ("kl_target_gain", "lr_scale_min", "lr_scale_init"):
+            for name in ("kl_target_gain", "lr_scale_min", "lr_scale_init", "lr_scale_max_raise"):
                 default = DPCCConfig.__dataclass_fields__[name].default
                 check(getattr(self, name) == default, name,
                       f"is read only by drift_lr_rule: kl_target (the rule is {self.drift_lr_rule!r}); "

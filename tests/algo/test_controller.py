@@ -277,6 +277,30 @@ def test_kl_target_scale_exact(scale, kl, expected):
     assert kl_target_scale(scale, kl, 0.02, 0.5, 0.05) == pytest.approx(expected, abs=1e-12)
 
 
+def test_kl_target_scale_raises_by_at_most_max_raise_and_cuts_by_at_most_two():
+    from dpcc_megatron.algo import kl_target_scale
+
+    # a reading 100x below the target asks for x10: limited to x2 by default, to max_raise when given
+    assert kl_target_scale(0.25, 0.0002, 0.02, 0.5, 0.05) == pytest.approx(0.5)
+    assert kl_target_scale(0.25, 0.0002, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.3125)
+    assert kl_target_scale(0.25, 0.0, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.3125)
+    # a small raise inside the limit is the rule's own correction
+    assert kl_target_scale(0.5, 0.02 / 1.21, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.55)
+    # cuts are not affected by max_raise
+    assert kl_target_scale(1.0, 0.32, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.5)
+    assert kl_target_scale(1.0, 0.08, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="max_raise"):
+        kl_target_scale(0.5, 0.01, 0.02, 0.5, 0.05, max_raise=1.0)
+
+
+def test_slow_recovery_reaches_the_controller():
+    slow = DPCCController(_kl_target_cfg(lr_scale_init=0.25, lr_scale_max_raise=1.25))
+    fast = DPCCController(_kl_target_cfg(lr_scale_init=0.25))
+    for ctl in (slow, fast):
+        ctl.observe(0.001, probe=True, advance=False)
+    assert (slow.lr_factor, fast.lr_factor) == (pytest.approx(0.3125), pytest.approx(0.5))
+
+
 def test_kl_target_scale_refuses_bad_arguments():
     from dpcc_megatron.algo import kl_target_scale
 
