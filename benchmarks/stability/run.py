@@ -124,6 +124,19 @@ def resolved_dpcc(overrides: dict) -> dict | None:
     return json.loads(json.dumps(to_dict(loss.dpcc))) if loss.name == "dpcc" else None
 
 
+#: `loss.dpcc` fields added after results were cached, each with the value that reproduces the behaviour
+#: from before it existed: a cached result without the field ran with that value.
+ADDED_DPCC_FIELDS = {"lr_scale_max_raise": 2.0}
+
+
+def same_dpcc(cached: dict | None, resolved: dict | None) -> bool:
+    """Whether a cached result's recorded DPCC settings are the ones a run would resolve now."""
+    if cached is None or resolved is None:
+        return cached == resolved
+    filled = {**{k: v for k, v in ADDED_DPCC_FIELDS.items() if k in resolved}, **cached}
+    return filled == resolved
+
+
 def run_config(overrides: dict, run_dir: Path, warm: Path) -> dict:
     """One run's job: its overrides (a method's checkpoint placeholder -> ``run_dir/checkpoints``),
     loading the shared warm start, with its logs in ``run_dir``."""
@@ -174,7 +187,7 @@ def pending_runs(grid: Grid, out: Path) -> list[tuple[str, float, int]]:
                 cached = json.loads(path.read_text())
                 if (cached.get("version") == RESULT_VERSION and "error" not in cached
                         and cached.get("overrides") == run_overrides(grid, method, lr, seed)
-                        and ("dpcc" not in cached or cached["dpcc"] == resolved_dpcc(cached["overrides"]))
+                        and ("dpcc" not in cached or same_dpcc(cached["dpcc"], resolved_dpcc(cached["overrides"])))
                         and cached.get("warm_start", spec) == spec):  # a result from another warm-start is stale
                     continue
             except json.JSONDecodeError:

@@ -338,8 +338,17 @@ def test_a_cached_dpcc_result_made_with_other_preset_values_is_run_again(tmp_pat
     changed = {**algo.DPCC_PRESETS, "calibrated": {**algo.DPCC_PRESETS["calibrated"], "tau0": 1.5}}
     monkeypatch.setattr(algo, "DPCC_PRESETS", changed)
     assert pending_runs(grid, tmp_path) == [("dpcc", AGGRESSIVE_LR, 1)]
-    # a result from before the settings were recorded is taken as it is
+    monkeypatch.undo()
     path = tmp_path / "results" / f"{run_key('dpcc', AGGRESSIVE_LR, 1)}.json"
+    # a result from before a field existed ran with the value that reproduces it: still current...
+    older = json.loads(path.read_text())
+    del older["dpcc"]["lr_scale_max_raise"]
+    path.write_text(json.dumps(older))
+    assert pending_runs(grid, tmp_path) == []
+    # ...unless the run would now use another value of that field
+    monkeypatch.setattr(runner, "ADDED_DPCC_FIELDS", {"lr_scale_max_raise": 1.5})
+    assert pending_runs(grid, tmp_path) == [("dpcc", AGGRESSIVE_LR, 1)]
+    # a result from before the settings were recorded is taken as it is
     legacy = json.loads(path.read_text())
     del legacy["dpcc"]
     path.write_text(json.dumps(legacy))
