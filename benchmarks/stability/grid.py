@@ -95,7 +95,12 @@ METHODS: dict[str, dict] = {
     "dpcc-paper": {"loss.name": "dpcc", "loss.dpcc.preset": "paper", "reward.contrastive_gate": "none"},
     # The stricter KL-target variant of benchmarks/stability/kl-target-rule.md (round 2's most stable
     # candidate, not the default): KL target 0.01, the scale starting at 0.25.
-    "dpcc-kt-strict": {"loss.name": "dpcc", "loss.dpcc.drift_threshold": 0.01, "loss.dpcc.lr_scale_init": 0.25},
+    # (its scale recovers as fast as it falls, as every default did until latched-recovery.md)
+    "dpcc-kt-strict": {"loss.name": "dpcc", "loss.dpcc.drift_threshold": 0.01, "loss.dpcc.lr_scale_init": 0.25,
+                       "loss.dpcc.lr_scale_max_raise": 2.0},
+    # The default until 2026-12-06 (benchmarks/stability/latched-recovery.md): the KL-target rule's scale
+    # starts at 1 and recovers as fast as it falls. The reports before that date measured it as `dpcc`.
+    "dpcc-fast-recovery": {"loss.name": "dpcc", "loss.dpcc.lr_scale_init": 1.0, "loss.dpcc.lr_scale_max_raise": 2.0},
     # The calibrated default as it was until 2026-12-04: the step rule with the early LR warm-up.
     "dpcc-step-rule": {"loss.name": "dpcc", "loss.dpcc.drift_lr_rule": "step", "loss.dpcc.early_lr_warmup": True},
     # Ablations of the default: each removes one piece of the calibrated preset (or adds one back).

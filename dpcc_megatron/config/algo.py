@@ -108,13 +108,15 @@ class DPCCConfig:
     as the square of the step size (Adam)."""
     lr_scale_min: float = 0.05
     """`kl_target`: the smallest LR scale the rule may reach."""
-    lr_scale_init: float = 1.0
-    """`kl_target`: the scale the run starts at, in [lr_scale_min, 1]. Below 1 it is a warm-up that lasts
-    only as long as the drift says: the rule raises it (at most `lr_scale_max_raise` per reading) while
-    the drift is low."""
-    lr_scale_max_raise: float = 2.0
+    lr_scale_init: float = 0.25
+    """`kl_target`: the scale the run starts at, in [lr_scale_min, 1], so that the first step, which no
+    reading has bounded yet, is not taken at the full LR. Below 1 it is a warm-up that lasts only as long
+    as the drift says: the rule raises it (at most `lr_scale_max_raise` per reading) while the drift is
+    low (benchmarks/stability/latched-recovery.md; 1 until 2026-12-06)."""
+    lr_scale_max_raise: float = 1.25
     """`kl_target`: the largest factor (> 1) by which one reading may raise the scale; a cut is at most a
-    factor of 2 per reading whatever this is. Below 2 the scale recovers more slowly than it falls."""
+    factor of 2 per reading whatever this is, so the scale falls fast and recovers slowly (2, as fast as
+    it falls, until 2026-12-06)."""
     drift_score: Optional[Literal["kl", "kl_ema"]] = None
     """d: `kl` is the KL measured after the step just taken (reacts at once, paper); `kl_ema` is the smoothed
     D, which latches and recovers across iterations (calibrated)."""

@@ -68,7 +68,7 @@ def test_paper_preset_is_the_literal_specification():
      "loss.dpcc.lr_scale_init is read only by drift_lr_rule: kl_target"),
     ({"loss": {"dpcc": {"kl_target_gain": -1}}}, "loss.dpcc.kl_target_gain must be > 0, got -1"),
     ({"loss": {"dpcc": {"lr_scale_max_raise": 1.0}}}, "loss.dpcc.lr_scale_max_raise must be > 1, got 1.0"),
-    ({"loss": {"dpcc": {"preset": "paper", "lr_scale_max_raise": 1.25}}},
+    ({"loss": {"dpcc": {"preset": "paper", "lr_scale_max_raise": 1.5}}},
      "loss.dpcc.lr_scale_max_raise is read only by drift_lr_rule: kl_target"),
     ({"loss": {"name": "ppo"}}, "loss.name must be one of"),
     ({"loss": {"dual_clip_c": 0.5}}, "loss.dual_clip_c must be > 1 or null, got 0.5"),

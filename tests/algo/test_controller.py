@@ -313,6 +313,10 @@ def test_kl_target_scale_refuses_bad_arguments():
 
 
 def _kl_target_cfg(**kw):
+    # The rule's mechanics with the scale starting at 1 and recovering as fast as it falls (the shipped
+    # start and recovery: test_the_shipped_rule_starts_low_and_recovers_slower_than_it_falls).
+    kw.setdefault("lr_scale_init", 1.0)
+    kw.setdefault("lr_scale_max_raise", 2.0)
     return _cfg(drift_lr_rule="kl_target", drift_probe=True, drift_threshold=0.02, early_phase_fraction=0.0,
                 early_relax_fraction=0.0, skip_fresh_kl=True, **kw)
 
@@ -342,7 +346,7 @@ def test_kl_target_rule_latches_on_probe_readings_and_recovers():
 
 def test_kl_target_scale_multiplies_the_warmup_and_survives_a_checkpoint():
     cfg = _cfg(drift_lr_rule="kl_target", drift_probe=True, drift_threshold=0.02, early_lr_warmup=True,
-               skip_fresh_kl=True)  # 20 steps, early phase 4 steps
+               skip_fresh_kl=True, lr_scale_init=1.0)  # 20 steps, early phase 4 steps
     a = DPCCController(cfg)
     a.observe(0.0, fresh=True)
     a.observe(0.32, probe=True, advance=False)  # 16x the target: the scale falls by 4 -> limited to 2
@@ -357,6 +361,20 @@ def test_kl_target_scale_multiplies_the_warmup_and_survives_a_checkpoint():
     c = DPCCController(cfg)
     c.load_state_dict(old)
     assert c.lr_scale == 1.0 and c.step == a.step
+
+
+def test_the_shipped_rule_starts_low_and_recovers_slower_than_it_falls():
+    from dpcc_megatron.config.algo import DPCCConfig
+
+    cfg = DPCCConfig()  # the calibrated preset with its defaults
+    assert (cfg.drift_lr_rule, cfg.lr_scale_init, cfg.lr_scale_max_raise) == ("kl_target", 0.25, 1.25)
+    ctl = DPCCController(cfg, total_steps=40)
+    assert ctl.lr_factor == 0.25  # the first step, which no reading has bounded yet
+    ctl.observe(0.0, fresh=True)
+    ctl.observe(0.0002, probe=True, advance=False)  # far below the target: up by 1.25 only
+    assert ctl.lr_factor == pytest.approx(0.3125)
+    ctl.observe(0.32, probe=True, advance=False)  # far above it: down by 2
+    assert ctl.lr_factor == pytest.approx(0.15625)
 
 
 def test_kl_target_rule_is_off_with_drift_lr_off():

@@ -340,13 +340,16 @@ def test_a_cached_dpcc_result_made_with_other_preset_values_is_run_again(tmp_pat
     assert pending_runs(grid, tmp_path) == [("dpcc", AGGRESSIVE_LR, 1)]
     monkeypatch.undo()
     path = tmp_path / "results" / f"{run_key('dpcc', AGGRESSIVE_LR, 1)}.json"
-    # a result from before a field existed ran with the value that reproduces it: still current...
+    # a result from before a field existed ran with the value that reproduced the behaviour before it:
+    # current when the run would use that value now...
     older = json.loads(path.read_text())
     del older["dpcc"]["lr_scale_max_raise"]
     path.write_text(json.dumps(older))
+    monkeypatch.setattr(runner, "ADDED_DPCC_FIELDS", {"lr_scale_max_raise": algo.DPCCConfig().lr_scale_max_raise})
     assert pending_runs(grid, tmp_path) == []
-    # ...unless the run would now use another value of that field
-    monkeypatch.setattr(runner, "ADDED_DPCC_FIELDS", {"lr_scale_max_raise": 1.5})
+    # ...and stale when the default has moved since (results before the field ran at 2; the default is 1.25)
+    monkeypatch.undo()
+    assert runner.ADDED_DPCC_FIELDS["lr_scale_max_raise"] != algo.DPCCConfig().lr_scale_max_raise
     assert pending_runs(grid, tmp_path) == [("dpcc", AGGRESSIVE_LR, 1)]
     # a result from before the settings were recorded is taken as it is
     legacy = json.loads(path.read_text())

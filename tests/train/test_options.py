@@ -147,11 +147,14 @@ def test_drift_is_read_with_one_optimizer_step_per_iteration(tmp_path, preset):
         assert all(r["kl_step_max"] == r["kl_probe"] for r in records)
         # the KL-target rule's scale follows the probe readings alone, and each iteration's (only) step runs at it
         from dpcc_megatron.algo import kl_target_scale
+        from dpcc_megatron.config.algo import DPCCConfig
 
-        scale = 1.0
+        d = DPCCConfig()
+        scale = d.lr_scale_init  # the first step too is taken at the rule's scale
         for r in records:
             assert r["lr_factor"] == pytest.approx(scale)
-            scale = kl_target_scale(scale, r["kl_probe"], 0.02, 0.5, 0.05)
+            scale = kl_target_scale(scale, r["kl_probe"], d.drift_threshold, d.kl_target_gain, d.lr_scale_min,
+                                    d.lr_scale_max_raise)
         assert state["lr_scale"] == pytest.approx(scale)
     else:
         assert all("kl_probe" not in r for r in records)
