@@ -70,7 +70,8 @@ def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_m
     """The KL-target rule's next LR scale after one drift reading ``kl`` (nats per token).
 
     log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), a cut limited to a factor of
-    ``KL_TARGET_MAX_STEP`` per reading and a raise to a factor of ``max_raise`` (> 1). The scale latches: it falls while the drift is
+    ``KL_TARGET_MAX_STEP`` per reading and a raise to a factor of ``max_raise`` (> 1; the config's
+    ``lr_scale_max_raise``, 1.25 by default). The scale latches: it falls while the drift is
     above ``target`` and recovers toward 1 while it is below, instead of resetting every step. With
     Adam the drift grows about as the square of the step size, so gain 0.5 corrects a reading in one go.
     A reading of 0 (or below: a k1 estimate) counts as far below the target."""

@@ -101,8 +101,9 @@ class DPCCConfig:
     drift_lr_rule: Optional[Literal["step", "kl_target"]] = None
     """How the drift sets the LR. `step` (paper): min(1, 0.5 / (d - theta + 1)) for the next step only, back to
     1 as soon as d <= theta. `kl_target`: a scale s that latches and recovers, updated by each drift-probe
-    reading d: log s <- clamp(log s - kl_target_gain * log(d / theta), log lr_scale_min, 0), at most a
-    factor of 2 per reading; it acts on every step, the iteration's first included (needs drift_probe)."""
+    reading d: log s <- clamp(log s - kl_target_gain * log(d / theta), log lr_scale_min, 0), a cut of at
+    most 2x and a raise of at most `lr_scale_max_raise` per reading; it acts on every step, the iteration's
+    first included (needs drift_probe)."""
     kl_target_gain: float = 0.5
     """`kl_target`: gain of the rule in log space; 0.5 corrects a reading in one go when the drift grows
     as the square of the step size (Adam)."""
