@@ -62,16 +62,16 @@ def drift_lr_factor(drift: float, threshold: float) -> float:
 
 #: Largest change of the KL-target LR scale per drift reading (a factor of 2 either way), so one
 #: outlying reading cannot throw the scale far.
-KL_TARGET_MAX_STEP = 2.0
+KL_TARGET_MAX_CUT = 2.0
 
 
 def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_min: float,
-                    max_raise: float = KL_TARGET_MAX_STEP) -> float:
+                    max_raise: float) -> float:
     """The KL-target rule's next LR scale after one drift reading ``kl`` (nats per token).
 
     log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), a cut limited to a factor of
-    ``KL_TARGET_MAX_STEP`` per reading and a raise to a factor of ``max_raise`` (> 1; the config's
-    ``lr_scale_max_raise``, 1.25 by default). The scale latches: it falls while the drift is
+    ``KL_TARGET_MAX_CUT`` per reading and a raise to a factor of ``max_raise`` (> 1; the config's
+    ``lr_scale_max_raise``). The scale latches: it falls while the drift is
     above ``target`` and recovers toward 1 while it is below, instead of resetting every step. With
     Adam the drift grows about as the square of the step size, so gain 0.5 corrects a reading in one go.
     A reading of 0 (or below: a k1 estimate) counts as far below the target."""
@@ -83,7 +83,7 @@ def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_m
         raise ValueError("kl must not be NaN")
     if not max_raise > 1:
         raise ValueError(f"max_raise must be > 1, got {max_raise}")
-    cut, raise_ = math.log(KL_TARGET_MAX_STEP), math.log(max_raise)
+    cut, raise_ = math.log(KL_TARGET_MAX_CUT), math.log(max_raise)
     if kl <= 0:
         change = raise_
     elif math.isinf(kl):

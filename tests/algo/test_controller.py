@@ -274,14 +274,14 @@ def test_calibrated_alpha_moves_tau_at_the_kl_target():
 def test_kl_target_scale_exact(scale, kl, expected):
     from dpcc_megatron.algo import kl_target_scale
 
-    assert kl_target_scale(scale, kl, 0.02, 0.5, 0.05) == pytest.approx(expected, abs=1e-12)
+    assert kl_target_scale(scale, kl, 0.02, 0.5, 0.05, 2.0) == pytest.approx(expected, abs=1e-12)
 
 
 def test_kl_target_scale_raises_by_at_most_max_raise_and_cuts_by_at_most_two():
     from dpcc_megatron.algo import kl_target_scale
 
-    # a reading 100x below the target asks for x10: limited to x2 by default, to max_raise when given
-    assert kl_target_scale(0.25, 0.0002, 0.02, 0.5, 0.05) == pytest.approx(0.5)
+    # a reading 100x below the target asks for x10: limited to max_raise
+    assert kl_target_scale(0.25, 0.0002, 0.02, 0.5, 0.05, max_raise=2.0) == pytest.approx(0.5)
     assert kl_target_scale(0.25, 0.0002, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.3125)
     assert kl_target_scale(0.25, 0.0, 0.02, 0.5, 0.05, max_raise=1.25) == pytest.approx(0.3125)
     # a small raise inside the limit is the rule's own correction
@@ -305,11 +305,11 @@ def test_kl_target_scale_refuses_bad_arguments():
     from dpcc_megatron.algo import kl_target_scale
 
     with pytest.raises(ValueError, match="NaN"):
-        kl_target_scale(1.0, math.nan, 0.02, 0.5, 0.05)
+        kl_target_scale(1.0, math.nan, 0.02, 0.5, 0.05, 2.0)
     with pytest.raises(ValueError, match="scale"):
-        kl_target_scale(0.01, 0.02, 0.02, 0.5, 0.05)
+        kl_target_scale(0.01, 0.02, 0.02, 0.5, 0.05, 2.0)
     with pytest.raises(ValueError, match="target"):
-        kl_target_scale(1.0, 0.02, 0.0, 0.5, 0.05)
+        kl_target_scale(1.0, 0.02, 0.0, 0.5, 0.05, 2.0)
 
 
 def _kl_target_cfg(**kw):
