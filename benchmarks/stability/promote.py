@@ -23,8 +23,8 @@ from pathlib import Path
 from .analyze import _degraded, discordant, load_results, mean_ci95, paired
 
 
-def _collapses(results: list[dict], method: str, lrs: set[float], seeds: set[int]) -> int:
-    return sum(bool(r["collapsed"]) for r in results if r["method"] == method and r["lr"] in lrs and r["seed"] in seeds)
+def _collapses(results: list[dict], method: str, lrs: set[float]) -> int:
+    return sum(bool(r["collapsed"]) for r in results if r["method"] == method and r["lr"] in lrs)
 
 
 def summarise_testbed(results: list[dict], candidate: str, incumbent: str, baseline: str = "grpo") -> dict:
@@ -36,10 +36,9 @@ def summarise_testbed(results: list[dict], candidate: str, incumbent: str, basel
     if not lrs:
         raise ValueError(f"no (lr, seed) finished by all of {candidate}, {incumbent} and {baseline}")
     safe, higher = lrs[0], set(lrs[1:])
-    seeds = {s for _, s in common}
-    row = {"seeds": len(seeds), "safe_lr": safe}
+    row = {"seeds": len({s for _, s in common}), "safe_lr": safe}
     for name, m in (("candidate", candidate), ("incumbent", incumbent), ("baseline", baseline)):
-        row[f"{name}_collapses"] = _collapses(runs, m, higher, seeds)
+        row[f"{name}_collapses"] = _collapses(runs, m, higher)
         row[f"{name}_below"] = sum(_degraded(r) for r in runs if r["method"] == m)
         row[f"{name}_runs"] = sum(r["method"] == m for r in runs)
         pairs = paired(runs, m, baseline, [safe])
@@ -57,10 +56,9 @@ def decide(rows: dict[str, dict], margins: dict[str, float], fewer_on: set[str])
             checks.append((f"{bed}: collapses at the higher LRs fewer than the incumbent's",
                            f"{row['candidate_collapses']} vs {row['incumbent_collapses']}",
                            row["candidate_collapses"] < row["incumbent_collapses"]))
-        d = row["candidate_safe_delta"]
-        checks.append((f"{bed}: safe-LR Δ vs GRPO ≥ {margins.get(bed, -0.02):+.2f}",
-                       f"{d[0]:+.3f} (95% CI {d[1]:+.3f} to {d[2]:+.3f}, n={d[3]})",
-                       d[0] >= margins.get(bed, -0.02)))
+        d, margin = row["candidate_safe_delta"], margins.get(bed, -0.02)
+        checks.append((f"{bed}: safe-LR Δ vs GRPO ≥ {margin:+.2f}",
+                       f"{d[0]:+.3f} (95% CI {d[1]:+.3f} to {d[2]:+.3f}, n={d[3]})", d[0] >= margin))
         checks.append((f"{bed}: collapses at the higher LRs no more than the incumbent's",
                        f"{row['candidate_collapses']} vs {row['incumbent_collapses']}",
                        row["candidate_collapses"] <= row["incumbent_collapses"]))
