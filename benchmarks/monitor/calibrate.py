@@ -20,7 +20,10 @@ streams of one optimizer step per iteration with the after-step KL; ``--base`` h
 choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``; ``sixth`` (the ``reward_drop``
 rule's fraction, patience and window, or off, with the one-step factor re-read), as fixed by
 ``benchmarks/monitor/sixth-calibration.md``; ``seventh`` (a second signal ``reward_drop`` waits for: the held-out
-evaluation or the in-group answer diversity, or none), as fixed by ``benchmarks/monitor/seventh-calibration.md``.
+evaluation or the in-group answer diversity, or none), as fixed by ``benchmarks/monitor/seventh-calibration.md``;
+``eighth`` (a critical on the KL to the reference model, or none; then the smallest warning on it that stays
+within 1 warning per 100 healthy iterations of the streams with a reference, :func:`quietest_warning`), as
+fixed by ``benchmarks/monitor/eighth-calibration.md``.
 
 Why J and not "no healthy critical, then recall" (the first calibration's rule): on the dev part,
 which since the second calibration holds the stability grid's aggressive-LR runs, the runs at
@@ -63,7 +66,13 @@ GRIDS = {
     "seventh": {"second_signal": [None] + [("eval", field, f) for field in ("eval_reward_greedy", "eval_reward_sampled")
                                            for f in (0.1, 0.2, 0.3, 0.5)]
                 + [("diversity", d) for d in (0.1, 0.2, 0.3)]},
+    "eighth": {"kl_ref_critical_threshold": [None, 0.5, 1.0, 2.0, 4.0]},
 }
+
+#: The eighth round's warning on the KL to the reference: the smallest of these values whose warnings stay
+#: within :data:`REF_WARNING_BUDGET` per 100 healthy iterations of the streams that carry ``kl_ref``.
+REF_WARNING_VALUES = (0.25, 0.5, 1.0, 2.0)
+REF_WARNING_BUDGET = 1.0
 
 
 #: The held-out target on the median lead (iterations before the reward halves).
@@ -136,16 +145,27 @@ def rank(row) -> tuple:
     _, ov, s = row
     lo, hi = ov.get("entropy_band_relative") or (0.0, 99.0)
     kl = ov.get("kl_critical_threshold") or 99.0
+    kl_ref = ov.get("kl_ref_critical_threshold") or 99.0
     sus = ov.get("kl_sustained_threshold") or 99.0
     lead = s["median_lead_iterations"]
     # reward_drop's second signal: none holds no alarm back (most cautious); then the larger threshold
     second = (ov.get("reward_drop_confirm") is None, ov.get("reward_drop_eval_fraction", 0) if
               ov.get("reward_drop_confirm") == "eval" else ov.get("reward_drop_diversity_change", 0))
     return (round(youden(s), 3), lead is not None and lead >= LEAD_TARGET, ov.get("collapse_confirm_steps", 0),
-            ov.get("low_entropy_patience", 0), hi - lo, kl, sus, ov.get("kl_sustained_window", 0),
+            ov.get("low_entropy_patience", 0), hi - lo, kl, kl_ref, sus, ov.get("kl_sustained_window", 0),
             ov.get("reward_drop_fraction") or 1.0, ov.get("reward_drop_patience", 0), ov.get("reward_drop_window", 0),
             ov.get("kl_one_step_factor", 0), second, ov.get("grad_spike_factor", 0), -(ov.get("mastered_reward_gain") or 0.0),
             -(s["warnings_per_100_healthy"] or 0.0), lead or -99)
+
+
+def quietest_warning(streams, base: dict, key: str = "kl_ref_threshold", values=REF_WARNING_VALUES,
+                     budget: float = REF_WARNING_BUDGET, field: str = "kl_ref"):
+    """(the smallest of ``values`` for ``key`` whose warnings per 100 healthy iterations stay within ``budget``
+    on the streams that carry ``field``, with ``base``; or None when none does, and the scores of each)."""
+    carrying = [s for s in streams if any(field in r for r in s[2])]
+    scores = {v: score_of(carrying, {**base, key: v}) for v in values}
+    quiet = [v for v in values if (scores[v]["warnings_per_100_healthy"] or 0.0) <= budget]
+    return (min(quiet) if quiet else None), scores
 
 
 def main(argv=None) -> int:
@@ -188,6 +208,12 @@ def main(argv=None) -> int:
                          show(s["median_lead_iterations"]), show(s["healthy_critical"]),
                          f"{s['healthy_alarmed']}/{s['healthy']}", show(s["warnings_per_100_healthy"]), json.dumps(ov)))
     best = ok[0] if ok else None
+    if best and args.grid == "eighth":  # then the warning below that critical (eighth-calibration.md)
+        warning, scores = quietest_warning(streams, best[1])
+        for v, s in scores.items():
+            print(f"kl_ref_threshold {v:g}: {show(s['warnings_per_100_healthy'])} warnings / 100 healthy iterations "
+                  f"of the {s['streams']} streams with kl_ref")
+        best = (best[0], {**best[1], "kl_ref_threshold": warning}, score_of(streams, {**best[1], "kl_ref_threshold": warning}))
     print(json.dumps({"chosen": best[1] if best else None, "dev": best[2] if best else None,
                       "defaults_dev": rows[2][2], "first_dev": rows[1][2], "before_dev": rows[0][2]}))
     return 0

@@ -218,7 +218,9 @@ def grid_of(folder: Path) -> tuple[str, dict, str]:
     testbed = manifest.get("testbed") or {}
     layers = (manifest.get("warm_start") or {}).get("model", {}).get("num_layers")
     grid = re.search(r"--grid (\S+)", (manifest.get("commands") or [""])[0])
-    return grid_family(testbed, layers), testbed, grid[1] if grid else "small"
+    # runs trained with a reference model (--set loss.ref_kl_coef=...) form their own family
+    ref = any((sets or {}).get("loss.ref_kl_coef", 0) > 0 for sets in manifest.get("sets") or [])
+    return grid_family(testbed, layers) + ("-ref" if ref else ""), testbed, grid[1] if grid else "small"
 
 
 def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None, steps: Optional[int] = None,
@@ -286,7 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-grid", action="append", default=[], metavar="DIR",
                    help="also label and write every run of this stability-runner output folder (any task, "
                         "difficulty, steps per iteration and model) as held out, family "
-                        "grid-<task><digits>-<steps>step[-<layers>layer] (benchmarks/monitor/heldout-grids.md)")
+                        "grid-<task><digits>-<steps>step[-<layers>layer][-ref] (benchmarks/monitor/heldout-grids.md; "
+                        "-ref: trained with a reference model)")
     p.add_argument("--dev-grid", action="append", default=[], metavar="DIR",
                    help="the same as --heldout-grid, with every run in the dev split (a grid that was read once "
                         "as held out, or one no held-out reading uses)")

@@ -142,7 +142,12 @@ class MonitorConfig:
     (`kl_threshold`, `kl_critical_threshold`, `kl_sustained_threshold`) are multiplied by this factor for
     such iterations. 1: the same thresholds for both readings."""
     kl_ref_threshold: Optional[float] = None
-    """kl_drift on KL to the reference, same window; None disables."""
+    """kl_drift warning when the KL to the reference (`kl_ref`, sent only while a reference model exists:
+    `loss.ref_kl_coef` > 0) exceeds this for `kl_window` consecutive iterations; None disables."""
+    kl_ref_critical_threshold: Optional[float] = None
+    """kl_drift is critical when one iteration's KL to the reference (`kl_ref`) exceeds this: the policy
+    has drifted far from the model the penalty holds it to. Runs without a reference send no `kl_ref`,
+    so nothing changes for them. None disables."""
     mismatch_kl_threshold: Optional[float] = None
     """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
     grad_spike_factor: float = 20.0
@@ -305,7 +310,8 @@ class MonitorConfig:
         check(self.kl_window >= 1, "kl_window", f"must be >= 1, got {self.kl_window}")
         check(self.kl_one_step_factor >= 1, "kl_one_step_factor", f"must be >= 1, got {self.kl_one_step_factor}")
         check(self.kl_sustained_window >= 1, "kl_sustained_window", f"must be >= 1, got {self.kl_sustained_window}")
-        for name in ("kl_ref_threshold", "mismatch_kl_threshold", "kl_critical_threshold", "kl_sustained_threshold"):
+        for name in ("kl_ref_threshold", "kl_ref_critical_threshold", "mismatch_kl_threshold", "kl_critical_threshold",
+                     "kl_sustained_threshold"):
             value = getattr(self, name)
             check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
         check(self.grad_spike_factor > 1, "grad_spike_factor", f"must be > 1, got {self.grad_spike_factor}")

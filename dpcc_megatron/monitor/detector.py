@@ -14,9 +14,10 @@ Rules (names are stable; see docs/monitor.md for defaults):
   reward_mean fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
   (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named. Critical when
-  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update), or when it stays
+  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update), when it stays
   above ``kl_sustained_threshold`` for ``kl_sustained_window`` consecutive iterations (a step
-  size that drifts). In an iteration of one optimizer step (``optimizer_steps`` 1) the KL read
+  size that drifts), or when one iteration's ``kl_ref`` (sent while a reference model exists)
+  exceeds ``kl_ref_critical_threshold`` (the policy drifted far from the reference). In an iteration of one optimizer step (``optimizer_steps`` 1) the KL read
   is the after-step probe's, and the three KL thresholds are multiplied by
   ``kl_one_step_factor``.
 
@@ -488,7 +489,9 @@ class CollapseDetector:
         if sus is not None and is_finite(kl):
             self._counters["kl_sustained"] = self._counters["kl_sustained"] + 1 if kl > sus else 0
         sustained = sus is not None and self._counters["kl_sustained"] >= sus_n
-        if not (hit_new or hit_ref or runaway or sustained):
+        ref, ref_crit = rec.get("kl_ref"), c.kl_ref_critical_threshold
+        ref_far = ref_crit is not None and is_finite(ref) and ref > ref_crit
+        if not (hit_new or hit_ref or runaway or sustained or ref_far):
             return None
         what_new = "largest per-step KL(pi_old||pi_new) (kl_step_max)" if step else "KL(pi_old||pi_new)"
         if factor != 1.0:
@@ -506,6 +509,11 @@ class CollapseDetector:
                    f"{self._counters['kl_sustained']} consecutive iterations, latest {kl:.4g}: the step size drifts")
             details.update(threshold=sus, window=sus_n, judged_on=metric_new)
             return _Hit("critical", msg, metric_new, self._window("kl_old_new", sus_n), details)
+        if ref_far:
+            msg = (f"KL to the reference (kl_ref) [estimator {est}] {ref:.4g} > {ref_crit:g} (kl_ref_critical_threshold): "
+                   f"the policy has drifted far from the reference")
+            details.update(threshold=ref_crit, judged_on="kl_ref")
+            return _Hit("critical", msg, "kl_ref", self._window("kl_ref", c.kl_window), details)
         key, thr, what = (("kl_old_new", kl_thr, what_new) if hit_new
                           else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "

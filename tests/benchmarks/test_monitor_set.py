@@ -205,6 +205,13 @@ def test_heldout_grids_of_other_testbeds_join_as_held_out_with_their_family(tmp_
     labels = write_set(tmp_path / "set", tmp_path / "out2", families=(), dev_grids=[sort1])
     assert {(x["family"], x["split"], x["source"]) for x in labels} == {
         ("grid-sorting3-2step-4layer", "dev", "benchmarks/stability/run.py --grid deep (grid-sorting3-2step-4layer)")}
+    # runs trained with a reference model (--set loss.ref_kl_coef=...) are their own family
+    manifest = json.loads((sort1 / "manifest.json").read_text())
+    for sets, family in (([{"loss.ref_kl_coef": 0.01, "eval.interval": 1}], "grid-sorting3-2step-4layer-ref"),
+                         ([{"loss.ref_kl_coef": 0.0}], "grid-sorting3-2step-4layer"), ([{}], "grid-sorting3-2step-4layer")):
+        (sort1 / "manifest.json").write_text(json.dumps({**manifest, "sets": sets}))
+        labels = write_set(tmp_path / "set", tmp_path / "out3", families=(), dev_grids=[sort1])
+        assert {x["family"] for x in labels} == {family}, sets
 
 
 def _evaluate(folder, split):
@@ -279,6 +286,25 @@ def test_committed_readings_reproduce(tmp_path):
     assert all(getattr(MonitorConfig(), k) == v for k, v in SEVENTH.items())
     # and the readings differ: a score line that matched anything would not be a check
     assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 9
+
+
+def test_quietest_warning_is_the_smallest_value_within_the_budget_on_streams_with_the_field():
+    from benchmarks.monitor.calibrate import quietest_warning
+
+    def stream(refs, with_ref=True):
+        return [{"iteration": i, "entropy": 1.0, "kl_old_new": 0.01, "kl_step_max": 0.01, "reward_mean": 0.3,
+                 "reward_std": 0.2, "zero_var_frac": 0.0, "optimizer_steps": 2,
+                 **({"kl_ref": v} if with_ref else {})} for i, v in enumerate(refs)]
+
+    # one healthy stream whose kl_ref sits at 0.4 for 10 iterations, one at 0.1; and one without the field
+    streams = [("a", "healthy", stream([0.4] * 10)), ("b", "healthy", stream([0.1] * 10)),
+               ("c", "healthy", stream([9.0] * 10, with_ref=False))]
+    # 0.25 warns at iteration 2 of stream a and again after the cooldown (10): 1 warning per 20 iterations
+    chosen, scores = quietest_warning(streams, {}, values=(0.25, 0.5), budget=1.0)
+    assert chosen == 0.5 and scores[0.25]["warnings_per_100_healthy"] == 5.0
+    assert scores[0.5]["warnings_per_100_healthy"] == 0.0 and scores[0.5]["streams"] == 2  # c carries no kl_ref
+    assert quietest_warning(streams, {}, values=(0.25,), budget=1.0)[0] is None  # none within the budget
+    assert quietest_warning(streams, {}, values=(0.25, 0.5), budget=5.0)[0] == 0.25
 
 
 def test_first_alarms_counts_each_alarmed_stream_once_by_its_first_confirmed_critical():

@@ -29,6 +29,8 @@ def test_yaml_sets_band_and_kl(tmp_path):
     ("monitor.webhook_url=ftp://x", "monitor.webhook_url must be an http:// or https:// URL"),
     ("monitor.repetition_threshold=0", "monitor.repetition_threshold must be in (0, 1]"),
     ("monitor.max_rollbacks=0", "monitor.max_rollbacks must be >= 1, got 0"),
+    ("monitor.kl_ref_critical_threshold=0", "monitor.kl_ref_critical_threshold must be > 0 or null"),
+    ("monitor.kl_ref_threshold=-1", "monitor.kl_ref_threshold must be > 0 or null"),
     ("monitor.no_such_key=1", "unknown key monitor.no_such_key"),
 ])
 def test_errors_name_the_key(override, message):

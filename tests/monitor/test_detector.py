@@ -339,6 +339,27 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
     assert "KL to reference (kl_ref)" in alerts[0].message and "k3" in alerts[0].message
 
 
+def test_kl_ref_critical_threshold_judges_one_iteration_of_kl_ref():
+    """One iteration of kl_ref above kl_ref_critical_threshold is critical (a confirmed collapse with the
+    default confirmation of 1); a record without kl_ref (no reference model) is never judged on it."""
+    cfg = MonitorConfig(kl_ref_critical_threshold=0.5, kl_ref_threshold=None)
+    recs = [{"iteration": i, "kl_old_new": 0.01, "kl_step_max": 0.02, "kl_estimator": "k3",
+             "kl_ref": [0.1, 0.3, 0.45, 0.7, 0.2][i], "entropy": 1.0} for i in range(5)]
+    det = CollapseDetector(cfg)
+    alerts = [a for r in recs for a in det.update(r)]
+    assert [(a.rule, a.iteration, a.severity, a.metric, a.confirmed) for a in alerts] == [
+        ("kl_drift", 3, "critical", "kl_ref", True)]
+    assert "0.7 > 0.5 (kl_ref_critical_threshold)" in alerts[0].message and "k3" in alerts[0].message
+    assert alerts[0].details["judged_on"] == "kl_ref" and alerts[0].details["threshold"] == 0.5
+    assert det.last_healthy_iteration == 4  # back under the threshold: healthy again
+    # the same run without a reference model: no kl_ref field, nothing to judge
+    plain = [{k: v for k, v in r.items() if k != "kl_ref"} for r in recs]
+    assert not [a for r in plain for a in CollapseDetector(cfg).update(r)]
+    # a step KL runaway in the same iteration is reported as that (the stronger, per-step reading)
+    both = CollapseDetector(cfg).update({**recs[3], "kl_step_max": 2.0, "iteration": 0})
+    assert [a.metric for a in both] == ["kl_step_max"]
+
+
 def test_kl_drift_alert_names_the_per_step_kl_it_read():
     det = CollapseDetector(MonitorConfig(kl_threshold=0.5, kl_window=2, kl_critical_threshold=1.0, kl_sustained_window=3))
     alerts = [a for i in range(3) for a in det.update({"iteration": i, "kl_old_new": 0.3, "kl_step_max": 0.6})]
