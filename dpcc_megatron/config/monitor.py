@@ -141,13 +141,16 @@ class MonitorConfig:
     in-step KL of a later step, which is read on samples that step has not trained on. The KL thresholds
     (`kl_threshold`, `kl_critical_threshold`, `kl_sustained_threshold`) are multiplied by this factor for
     such iterations. 1: the same thresholds for both readings."""
-    kl_ref_threshold: Optional[float] = None
+    kl_ref_threshold: Optional[float] = 1.0
     """kl_drift warning when the KL to the reference (`kl_ref`, sent only while a reference model exists:
-    `loss.ref_kl_coef` > 0) exceeds this for `kl_window` consecutive iterations; None disables."""
+    `loss.ref_kl_coef` > 0) exceeds this for `kl_window` consecutive iterations. 1.0: the smallest value
+    tried that kept these warnings under 1 per 100 healthy iterations of the development runs with a
+    reference (benchmarks/monitor/eighth-calibration.md). None disables."""
     kl_ref_critical_threshold: Optional[float] = None
     """kl_drift is critical when one iteration's KL to the reference (`kl_ref`) exceeds this: the policy
-    has drifted far from the model the penalty holds it to. Runs without a reference send no `kl_ref`,
-    so nothing changes for them. None disables."""
+    has drifted far from the model the penalty holds it to. Off by default: no value tried (0.5-4) raised
+    the detector's J on the development runs with a reference, since healthy runs drift as far
+    (benchmarks/monitor/eighth-calibration.md). Runs without a reference send no `kl_ref`. None disables."""
     mismatch_kl_threshold: Optional[float] = None
     """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
     grad_spike_factor: float = 20.0

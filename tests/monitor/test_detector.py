@@ -330,8 +330,15 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
     consecutive count, the same window), and the alert names the field."""
     recs = [{"iteration": i, "kl_old_new": 0.01, "kl_step_max": 0.02, "kl_estimator": "k3",
              "kl_ref": 0.05 * i, "entropy": 1.0} for i in range(8)]
-    off = [a for r in recs for a in CollapseDetector(MonitorConfig()).update(r)]
+    unset = CollapseDetector(MonitorConfig(kl_ref_threshold=None))
+    off = [a for r in recs for a in unset.update(r)]
     assert not off  # kl_ref_threshold unset: kl_ref alone never alerts
+    # the default (1.0, the eighth calibration's) warns once kl_ref stays above 1 for kl_window iterations
+    assert MonitorConfig().kl_ref_threshold == 1.0 and MonitorConfig().kl_ref_critical_threshold is None
+    far = [{**r, "kl_ref": 1.2} for r in recs]
+    shipped = CollapseDetector(MonitorConfig())
+    warned = [a for r in far for a in shipped.update(r)]
+    assert [(a.rule, a.iteration, a.severity, a.metric) for a in warned] == [("kl_drift", 2, "warning", "kl_ref")]
     det = CollapseDetector(MonitorConfig(kl_ref_threshold=0.12, kl_window=3))
     alerts = [a for r in recs for a in det.update(r)]
     # above 0.12 from iteration 3 (0.15): the third consecutive one is iteration 5
@@ -354,7 +361,8 @@ def test_kl_ref_critical_threshold_judges_one_iteration_of_kl_ref():
     assert det.last_healthy_iteration == 4  # back under the threshold: healthy again
     # the same run without a reference model: no kl_ref field, nothing to judge
     plain = [{k: v for k, v in r.items() if k != "kl_ref"} for r in recs]
-    assert not [a for r in plain for a in CollapseDetector(cfg).update(r)]
+    no_ref = CollapseDetector(cfg)
+    assert not [a for r in plain for a in no_ref.update(r)]
     # a step KL runaway in the same iteration is reported as that (the stronger, per-step reading)
     both = CollapseDetector(cfg).update({**recs[3], "kl_step_max": 2.0, "iteration": 0})
     assert [a.metric for a in both] == ["kl_step_max"]
