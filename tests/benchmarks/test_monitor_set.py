@@ -1,6 +1,7 @@
 """The monitor's labelled set (benchmarks/monitor): the labelling rule, the split, and
 `monitor evaluate --labelled` on the committed streams."""
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,28 @@ def test_committed_heldout_parts_match_their_labels_and_seeds(folder, family_see
             assert all("eval_reward_greedy" in r and "answer_distinct_frac" in r for r in records), x["stream"]
 
 
+#: The eighth calibration's part (runs with a reference model): its seeds per family, dev and held out.
+EIGHTH_SEEDS = {"grid-addition1-1step-ref": (set(range(737, 745)), set(range(745, 757))),
+                "grid-addition1-2step-ref": (set(range(917, 921)), set(range(921, 929))),
+                "grid-sorting3-2step-4layer-ref": (set(range(819, 823)), set(range(823, 829)))}
+
+
+def test_committed_eighth_part_has_a_reference_model_and_its_seeds():
+    labels = read_labels(LABELLED.parent / "labelled-eighth")
+    assert len(labels) == 378 and {x["family"] for x in labels} == set(EIGHTH_SEEDS)
+    for x in labels:
+        dev, heldout = EIGHTH_SEEDS[x["family"]]
+        assert x["seed"] in (dev if x["split"] == "dev" else heldout), x["stream"]
+        records = _relabel_matches(x)
+        steps = int(x["family"].split("-")[2].removesuffix("step"))
+        assert all(r["optimizer_steps"] == steps and "eval_reward_greedy" in r for r in records), x["stream"]
+        # trained with a reference model: every record carries the KL to it (k3: >= 0); a one-step iteration 0
+        # reads it in its only step's forward, before any update, so it is 0 there
+        assert all(math.isfinite(r["kl_ref"]) and r["kl_ref"] >= 0 for r in records), x["stream"]
+        assert steps != 1 or records[0]["kl_ref"] == 0.0, x["stream"]
+    assert sum(x["split"] == "heldout" for x in labels) == 234
+
+
 def _fake_run(folder: Path, name: str, rewards, entropies, greedy=(0.3, 0.3)):
     run = folder / "runs" / name
     run.mkdir(parents=True)
@@ -248,6 +271,7 @@ SIXTH = {**FIFTH, "reward_drop_fraction": 0.5, "reward_drop_patience": 1, "rewar
          "reward_drop_confirm": None}
 SEVENTH = {**SIXTH, "reward_drop_confirm": "eval", "reward_drop_eval_field": "eval_reward_greedy",
            "reward_drop_eval_fraction": 0.3, "reward_drop_eval_max_age": 10}
+EIGHTH = {**SEVENTH, "kl_ref_threshold": 1.0, "kl_ref_critical_threshold": None}
 
 
 def _reported_readings() -> list[dict]:
@@ -266,7 +290,10 @@ def test_committed_readings_reproduce(tmp_path):
 
     reported = _reported_readings()
     # (folder, detector values, split, seeds): seeds 45-46 were read as held out, then filed under dev
-    readings = [(LABELLED.parent / "labelled-seventh", SEVENTH, "heldout", None),
+    eighth = LABELLED.parent / "labelled-eighth"
+    readings = [(eighth, EIGHTH, "heldout", None),
+                (eighth, {**EIGHTH, "kl_ref_threshold": None}, "heldout", None),
+                (LABELLED.parent / "labelled-seventh", SEVENTH, "heldout", None),
                 (LABELLED.parent / "labelled-seventh", SIXTH, "heldout", None),
                 (LABELLED.parent / "labelled-sixth", SIXTH, "heldout", None),
                 (LABELLED.parent / "labelled-sixth", FIFTH, "heldout", None),
@@ -278,14 +305,17 @@ def test_committed_readings_reproduce(tmp_path):
 
     thin_folder(LABELLED.parent / "labelled-seventh", tmp_path / "every5", 5)  # the every-5 information reading
     readings.append((tmp_path / "every5", SEVENTH, "heldout", None))
+    for every in (5, 1000):  # the eighth's: evaluations every 5 iterations, and only the start's
+        thin_folder(eighth, tmp_path / f"eighth{every}", every)
+        readings.append((tmp_path / f"eighth{every}", EIGHTH, "heldout", None))
     for folder, values, split, seeds in readings:
         cfg = dataclasses.replace(MonitorConfig(), **values)
         _, scores = evaluate(folder, cfg, split, seeds)
         assert scores in reported, (folder.name, scores)
-    # the shipped defaults are the seventh calibration's choice
-    assert all(getattr(MonitorConfig(), k) == v for k, v in SEVENTH.items())
+    # the shipped defaults are the eighth calibration's choice (the seventh's with the kl_ref thresholds)
+    assert all(getattr(MonitorConfig(), k) == v for k, v in EIGHTH.items())
     # and the readings differ: a score line that matched anything would not be a check
-    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 9
+    assert len({json.dumps(r, sort_keys=True) for r in reported}) == len(reported) >= 13
 
 
 def test_quietest_warning_is_the_smallest_value_within_the_budget_on_streams_with_the_field():
