@@ -13,11 +13,12 @@ Rules (names are stable; see docs/monitor.md for defaults):
   without learning). Without it: a warning, critical when the reward signal is gone too and
   reward_mean fell ``low_entropy_reward_drop`` below its best healthy value (a template collapse).
 - ``kl_drift``      ``kl_old_new > kl_threshold`` for ``kl_window`` consecutive batches
-  (also ``kl_ref`` when ``kl_ref_threshold`` is set); the estimator is named. Critical when
-  one iteration's KL exceeds ``kl_critical_threshold`` (a runaway update), when it stays
-  above ``kl_sustained_threshold`` for ``kl_sustained_window`` consecutive iterations (a step
-  size that drifts), or when one iteration's ``kl_ref`` (sent while a reference model exists)
-  exceeds ``kl_ref_critical_threshold`` (the policy drifted far from the reference). In an iteration of one optimizer step (``optimizer_steps`` 1) the KL read
+  (also ``kl_ref`` above ``kl_ref_threshold``); the estimator is named (``kl_ref_estimator``
+  for ``kl_ref``). Critical when one iteration's KL exceeds ``kl_critical_threshold`` (a
+  runaway update), when it stays above ``kl_sustained_threshold`` for ``kl_sustained_window``
+  consecutive iterations (a step size that drifts), or when one iteration's ``kl_ref`` (sent
+  while a reference model exists) exceeds ``kl_ref_critical_threshold`` (the policy drifted
+  far from the reference). In an iteration of one optimizer step (``optimizer_steps`` 1) the KL read
   is the after-step probe's, and the three KL thresholds are multiplied by
   ``kl_one_step_factor``.
 
@@ -134,6 +135,8 @@ class CollapseDetector:
         """Best mean of the last ``reward_drop_window`` rewards at a healthy iteration (reward_drop's line)."""
         self.healthy_reward_sum, self.healthy_reward_n = 0.0, 0
         self.kl_estimator: Optional[str] = None
+        self.kl_ref_estimator: Optional[str] = None
+        """The estimator of ``kl_ref`` (``loss.kl_estimator``, which may differ from ``kl_old_new``'s)."""
         self.records_seen = 0
         self.ignored_out_of_order = 0
         self._judged: dict[str, str] = {}
@@ -181,6 +184,7 @@ class CollapseDetector:
             "diversity_at_best": self.diversity_at_best,
             "healthy_reward": [self.healthy_reward_sum, self.healthy_reward_n],
             "kl_estimator": self.kl_estimator,
+            "kl_ref_estimator": self.kl_ref_estimator,
             "records_seen": self.records_seen,
             "ignored_out_of_order": self.ignored_out_of_order,
             "hist": {k: [list(x) for x in v] for k, v in self._hist.items()},
@@ -212,6 +216,7 @@ class CollapseDetector:
         self.diversity_at_best = state.get("diversity_at_best")
         self.healthy_reward_sum, self.healthy_reward_n = state.get("healthy_reward", [0.0, 0])
         self.kl_estimator = state.get("kl_estimator")
+        self.kl_ref_estimator = state.get("kl_ref_estimator")
         self.records_seen = int(state.get("records_seen", 0))
         self.ignored_out_of_order = int(state.get("ignored_out_of_order", 0))
         self._reset_windows()
@@ -253,6 +258,9 @@ class CollapseDetector:
         est = record.get("kl_estimator")
         if isinstance(est, str) and est:
             self.kl_estimator = est
+        ref_est = record.get("kl_ref_estimator")
+        if isinstance(ref_est, str) and ref_est:
+            self.kl_ref_estimator = ref_est
 
         vals = {k: record.get(k) for k in _TRACKED}
         rel = self.cfg.entropy_band_relative
@@ -475,6 +483,7 @@ class CollapseDetector:
     def _rule_kl(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
         est = self.kl_estimator or "unspecified"
+        ref_est = self.kl_ref_estimator or est  # records from before the field: one estimator for both
         step = "kl_old_new" in self._judged
         # One optimizer step: kl_step_max is the after-step reading, a larger quantity (kl_one_step_factor).
         factor = c.kl_one_step_factor if step and rec.get("optimizer_steps") == 1 else 1.0
@@ -510,12 +519,14 @@ class CollapseDetector:
             details.update(threshold=sus, window=sus_n, judged_on=metric_new)
             return _Hit("critical", msg, metric_new, self._window("kl_old_new", sus_n), details)
         if ref_far:
-            msg = (f"KL to the reference (kl_ref) [estimator {est}] {ref:.4g} > {ref_crit:g} (kl_ref_critical_threshold): "
-                   f"the policy has drifted far from the reference")
-            details.update(threshold=ref_crit, judged_on="kl_ref")
+            msg = (f"KL to the reference (kl_ref) [estimator {ref_est}] {ref:.4g} > {ref_crit:g} "
+                   f"(kl_ref_critical_threshold): the policy has drifted far from the reference")
+            details.update(threshold=ref_crit, judged_on="kl_ref", estimator=ref_est)
             return _Hit("critical", msg, "kl_ref", self._window("kl_ref", c.kl_window), details)
         key, thr, what = (("kl_old_new", kl_thr, what_new) if hit_new
                           else ("kl_ref", c.kl_ref_threshold, "KL to reference (kl_ref)"))
+        if key == "kl_ref":
+            est = details["estimator"] = ref_est
         msg = (f"{what} [estimator {est}] > {thr:g} for {self._counters[key]} consecutive batches "
                f"(window {c.kl_window}), latest {self._hist[key][-1][1]:.4g}")
         metric = metric_new if key == "kl_old_new" else key

@@ -20,8 +20,10 @@ RECORD_FIELDS: dict[str, str] = {
     "entropy": "mean exact token entropy of the sampled responses under the current policy (nats)",
     "entropy_frac": "entropy as a fraction of ln|V|",
     "kl_old_new": "KL(pi_old || pi_new) over the iteration's updates (policy drift)",
-    "kl_estimator": "name of the KL estimator used for kl_old_new / kl_ref (e.g. k1, k2, k3, exact)",
+    "kl_estimator": "name of the KL estimator of kl_old_new (e.g. k1, k2, k3, exact); of kl_ref too when "
+                    "kl_ref_estimator is absent",
     "kl_ref": "KL(pi_theta || pi_ref) over the iteration's updates (when a reference model exists)",
+    "kl_ref_estimator": "name of the estimator of kl_ref (loss.kl_estimator; sent with kl_ref)",
     "mismatch_kl": "sampler vs trainer log-prob mismatch (kept separate from policy drift)",
     "repetition_rate": "repeated 3-/4-gram share of the sampled responses",
     "longest_repeat": "longest repeated run in any sampled response (tokens)",
@@ -55,7 +57,7 @@ RECORD_FIELDS: dict[str, str] = {
 }
 
 ENVELOPE_KEYS = ("run_id", "attempt", "kind", "time")
-STRING_FIELDS = {"kl_estimator", "run_id", "kind"}
+STRING_FIELDS = {"kl_estimator", "kl_ref_estimator", "run_id", "kind"}
 
 MAX_KEYS = 256
 MAX_KEY_LEN = 64

@@ -93,6 +93,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     }
     if ctx.reference is not None:  # KL(pi_theta || pi_ref) over the iteration's updates (loss.kl_estimator)
         rec["kl_ref"] = _f(merged.get("ref_kl", float("nan")))
+        rec["kl_ref_estimator"] = cfg.loss.kl_estimator  # the penalty's, which may differ from kl_old_new's
     # What the detector judges on: the rule track (no contrastive tie-breakers) and each step's own KL.
     G = cfg.rollout.group_size
     base_groups = rewards.base.view(-1, G)

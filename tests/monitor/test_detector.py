@@ -344,6 +344,11 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
     # above 0.12 from iteration 3 (0.15): the third consecutive one is iteration 5
     assert [(a.rule, a.iteration, a.metric) for a in alerts] == [("kl_drift", 5, "kl_ref")]
     assert "KL to reference (kl_ref)" in alerts[0].message and "k3" in alerts[0].message
+    # a penalty with its own estimator (loss.kl_estimator, sent as kl_ref_estimator) is named as that
+    named = CollapseDetector(MonitorConfig(kl_ref_threshold=0.12, kl_window=3))
+    alerts = [a for r in recs for a in named.update({**r, "kl_ref_estimator": "k1"})]
+    assert "[estimator k1]" in alerts[0].message and alerts[0].details["estimator"] == "k1"
+    assert named.state_dict()["kl_ref_estimator"] == "k1"
 
 
 def test_kl_ref_critical_threshold_judges_one_iteration_of_kl_ref():
@@ -356,7 +361,7 @@ def test_kl_ref_critical_threshold_judges_one_iteration_of_kl_ref():
     alerts = [a for r in recs for a in det.update(r)]
     assert [(a.rule, a.iteration, a.severity, a.metric, a.confirmed) for a in alerts] == [
         ("kl_drift", 3, "critical", "kl_ref", True)]
-    assert "0.7 > 0.5 (kl_ref_critical_threshold)" in alerts[0].message and "k3" in alerts[0].message
+    assert "[estimator k3] 0.7 > 0.5 (kl_ref_critical_threshold)" in alerts[0].message
     assert alerts[0].details["judged_on"] == "kl_ref" and alerts[0].details["threshold"] == 0.5
     assert det.last_healthy_iteration == 4  # back under the threshold: healthy again
     # the same run without a reference model: no kl_ref field, nothing to judge

@@ -55,8 +55,9 @@ def _ref_rank(rank, world, out, overrides):
 def test_reference_trains_logs_kl_ref_and_survives_resume_bit_identical(tmp_path):
     """Also: a dynamic-sampling run resumes exactly."""
     # dynamic sampling rides along: its extra rounds move the prompt stream, which resume must restore
-    common = {**REF, "train.iterations": 4, "checkpoint.save_interval": 2, "checkpoint.keep_last": 2,
-              "rollout.dynamic_sampling": True}
+    # the penalty's estimator differs from the drift KL's (loss.dpcc.kl_estimator, k3), so the record must name it
+    common = {**REF, "loss.kl_estimator": "k2", "train.iterations": 4, "checkpoint.save_interval": 2,
+              "checkpoint.keep_last": 2, "rollout.dynamic_sampling": True}
     straight = tmp_path / "straight"
     (a,) = run_multirank(_ref_rank, 1, args=(str(straight), {**common, "checkpoint.dir": str(straight / "ck")}),
                          timeout=300)
@@ -67,6 +68,8 @@ def test_reference_trains_logs_kl_ref_and_survives_resume_bit_identical(tmp_path
     assert any(not torch.equal(r, p) for r, p in zip(a["ref"], a["policy"]))  # the policy moved away
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert all(r["kl_ref"] is not None for r in records) and records[-1]["kl_ref"] > 0
+    # the record names the penalty's estimator (loss.kl_estimator), which the monitor's kl_ref alerts quote
+    assert {r["kl_ref_estimator"] for r in records} == {"k2"} and {r["kl_estimator"] for r in records} == {"k3"}
     assert a["ref_bytes"] == a["planned_bytes"]  # the planner budgets what is built
 
     split = tmp_path / "split"
