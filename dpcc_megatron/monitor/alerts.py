@@ -5,7 +5,8 @@ Mapping (:class:`ControlPolicy`):
 =========================================  ===============================================
 alert                                      advice
 =========================================  ===============================================
-``kl_drift`` (any severity)                ``reduce_lr(factor)`` at once
+``kl_drift`` (any severity)                ``reduce_lr(factor)`` at once, except a
+                                           warning on ``kl_ref`` (a notice: nothing)
 ``high_entropy`` (any severity)            ``reduce_lr(factor)`` at once
 confirmed collapse (``confirmed=True``)    ``rollback(to_iteration=last healthy iteration)``
                                            when ``rollback_on_collapse`` and one is known
@@ -165,6 +166,11 @@ class ControlPolicy:
                 return ControlAdvice(action="rollback", to_iteration=0 if target is None else target, **common)
             if self.pause:
                 return ControlAdvice(action="checkpoint_and_pause", **common)
+            return None
+        if alert.rule == "kl_drift" and alert.metric == "kl_ref":
+            # The KL to the reference is a level that a learning run raises too: a warning on it came after the
+            # first critical of every held-out collapse (benchmarks/monitor/eighth-calibration.md), and an LR cut
+            # would repeat every alert_cooldown while it stays high. A notice, not advice.
             return None
         if alert.rule in ("kl_drift", "high_entropy"):
             return ControlAdvice(action="reduce_lr", factor=self.factor, **common)

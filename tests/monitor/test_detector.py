@@ -339,6 +339,13 @@ def test_kl_ref_from_the_trainer_drives_kl_ref_threshold():
     shipped = CollapseDetector(MonitorConfig())
     warned = [a for r in far for a in shipped.update(r)]
     assert [(a.rule, a.iteration, a.severity, a.metric) for a in warned] == [("kl_drift", 2, "warning", "kl_ref")]
+    # a notice: no LR advice on it (a kl_drift warning on the step KL still cuts the LR)
+    policy = ControlPolicy(MonitorConfig(control_enabled=True))
+    assert policy.decide(warned[0], 1) is None
+    step = dataclasses.replace(warned[0], metric="kl_step_max")
+    assert policy.decide(step, 1).action == "reduce_lr"
+    # a confirmed critical on kl_ref (kl_ref_critical_threshold, off by default) rolls back like any other
+    assert policy.decide(dataclasses.replace(warned[0], severity="critical", confirmed=True), 1).action == "rollback"
     det = CollapseDetector(MonitorConfig(kl_ref_threshold=0.12, kl_window=3))
     alerts = [a for r in recs for a in det.update(r)]
     # above 0.12 from iteration 3 (0.15): the third consecutive one is iteration 5
