@@ -219,7 +219,7 @@ def grid_of(folder: Path) -> tuple[str, dict, str]:
     layers = (manifest.get("warm_start") or {}).get("model", {}).get("num_layers")
     grid = re.search(r"--grid (\S+)", (manifest.get("commands") or [""])[0])
     # runs trained with a reference model (--set loss.ref_kl_coef=...) form their own family
-    ref = any((sets or {}).get("loss.ref_kl_coef", 0) > 0 for sets in manifest.get("sets") or [])
+    ref = any(((sets or {}).get("loss.ref_kl_coef") or 0) > 0 for sets in manifest.get("sets") or [])
     return grid_family(testbed, layers) + ("-ref" if ref else ""), testbed, grid[1] if grid else "small"
 
 

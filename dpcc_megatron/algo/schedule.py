@@ -60,8 +60,8 @@ def drift_lr_factor(drift: float, threshold: float) -> float:
     return 1.0
 
 
-#: Largest change of the KL-target LR scale per drift reading (a factor of 2 either way), so one
-#: outlying reading cannot throw the scale far.
+#: Largest cut of the KL-target LR scale per drift reading (a factor of 2), so one outlying reading
+#: cannot throw the scale far; the largest raise is the caller's ``max_raise``.
 KL_TARGET_MAX_CUT = 2.0
 
 
@@ -71,8 +71,8 @@ def kl_target_scale(scale: float, kl: float, target: float, gain: float, scale_m
 
     log s <- clamp(log s - gain * log(kl / target), log scale_min, 0), a cut limited to a factor of
     ``KL_TARGET_MAX_CUT`` per reading and a raise to a factor of ``max_raise`` (> 1; the config's
-    ``lr_scale_max_raise``). The scale latches: it falls while the drift is
-    above ``target`` and recovers toward 1 while it is below, instead of resetting every step. With
+    ``lr_scale_max_raise``). The scale latches: it falls while the drift is above ``target`` and
+    recovers toward 1 while it is below, instead of resetting every step. With
     Adam the drift grows about as the square of the step size, so gain 0.5 corrects a reading in one go.
     A reading of 0 (or below: a k1 estimate) counts as far below the target."""
     if not (0 < scale_min <= scale <= 1):

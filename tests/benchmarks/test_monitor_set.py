@@ -231,7 +231,8 @@ def test_heldout_grids_of_other_testbeds_join_as_held_out_with_their_family(tmp_
     # runs trained with a reference model (--set loss.ref_kl_coef=...) are their own family
     manifest = json.loads((sort1 / "manifest.json").read_text())
     for sets, family in (([{"loss.ref_kl_coef": 0.01, "eval.interval": 1}], "grid-sorting3-2step-4layer-ref"),
-                         ([{"loss.ref_kl_coef": 0.0}], "grid-sorting3-2step-4layer"), ([{}], "grid-sorting3-2step-4layer")):
+                         ([{"loss.ref_kl_coef": 0.0}], "grid-sorting3-2step-4layer"), ([{}], "grid-sorting3-2step-4layer"),
+                         ([{"loss.ref_kl_coef": None}], "grid-sorting3-2step-4layer")):
         (sort1 / "manifest.json").write_text(json.dumps({**manifest, "sets": sets}))
         labels = write_set(tmp_path / "set", tmp_path / "out3", families=(), dev_grids=[sort1])
         assert {x["family"] for x in labels} == {family}, sets
