@@ -93,29 +93,70 @@ class PenaltyConfig:
 
 
 @dataclass
+class RemoteSandboxConfig:
+    """A SandboxFusion service (``POST {url}/run_code``) that runs the code instead of this node.
+
+    Read by: dpcc_megatron/rewards/sandbox/.
+    """
+
+    url: str = ""
+    """Base URL of the service, e.g. http://sandbox:8080 (required when backend is remote)."""
+    request_timeout_s: float = 30.0
+    """HTTP timeout of one request, on top of the run's own timeout_s."""
+    retries: int = 2
+    """Retries of a request that failed for the service's reason (connection, HTTP 5xx, SandboxError)."""
+    max_in_flight: int = 8
+    """Requests sent at once; more wait in the queue."""
+    max_queue: int = 64
+    """Runs allowed to wait for a free slot; beyond it a run is skipped and counted (bounded queue)."""
+    max_failures: int = 20
+    """Service failures in a row after which the job stops; each failure before is a counted skip."""
+
+    def validate(self) -> None:
+        check(self.url == "" or self.url.startswith(("http://", "https://")), "url",
+              f"must be an http(s) URL, got {self.url!r}")
+        check(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        check(self.retries >= 0, "retries", f"must be >= 0, got {self.retries}")
+        check(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}")
+        check(self.max_queue >= 0, "max_queue", f"must be >= 0, got {self.max_queue}")
+        check(self.max_failures >= 1, "max_failures", f"must be >= 1, got {self.max_failures}")
+
+
+@dataclass
 class SandboxConfig:
-    """Limits of the subprocess that runs untrusted code (code checker unit tests).
+    """Where and how model-written code runs (code checker unit tests); docs/sandbox.md.
 
     Read by: dpcc_megatron/rewards/.
     """
 
+    backend: Literal["local", "remote"] = "local"
+    """`local`: an isolated process per run on this node; `remote`: a SandboxFusion service (see `remote`)."""
+    isolation: Literal["auto", "bwrap", "namespaces", "none"] = "auto"
+    """Local backend: `bwrap` (bubblewrap), `namespaces` (util-linux unshare), `auto` (the first that works
+    here; the job stops if none does), or `none` (no isolation: warned at every start)."""
     timeout_s: float = 5.0
-    """Wall-clock limit per run; the whole process group is killed after it and the sample scores 0."""
+    """Wall-clock limit per run; the sandbox is killed after it and the sample counts as a timeout (score 0)."""
     memory_mb: int = 1024
     """Address-space limit (RLIMIT_AS)."""
     cpu_s: int = 0
     """CPU-time limit (RLIMIT_CPU); 0 means ceil(timeout_s) + 1."""
     file_size_mb: int = 16
-    """Largest file the code may write (RLIMIT_FSIZE), also caps captured output."""
+    """Largest file the code may write (RLIMIT_FSIZE), also caps its captured error output."""
+    scratch_mb: int = 64
+    """Size of the private scratch (a tmpfs, the only writable place) of an isolated run."""
     workers: int = 4
     """Sandbox runs executed in parallel."""
+    remote: RemoteSandboxConfig = field(default_factory=RemoteSandboxConfig)
+    """The service used when backend is remote."""
 
     def validate(self) -> None:
         check(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         check(self.memory_mb >= 64, "memory_mb", f"must be >= 64, got {self.memory_mb}")
         check(self.cpu_s >= 0, "cpu_s", f"must be >= 0, got {self.cpu_s}")
         check(self.file_size_mb >= 1, "file_size_mb", f"must be >= 1, got {self.file_size_mb}")
+        check(self.scratch_mb >= 1, "scratch_mb", f"must be >= 1, got {self.scratch_mb}")
         check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        check(self.backend != "remote" or bool(self.remote.url), "remote.url", "must be set when backend is remote")
 
 
 @dataclass

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 from ..config.base import ConfigError
 from ..config.reward import CheckerSpec, RewardConfig, default_task_checkers
-from .registry import CheckContext, Checker, CheckerTimeout, get_checker
+from .registry import CheckContext, Checker, CheckerSkipped, CheckerTimeout, get_checker
 from .sample import Sample
-from .sandbox import SandboxLimits
+from .sandbox import SandboxLimits, SandboxStop, build_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class BaseScores:
     """Checker key -> per-sample score (penalties: the penalty); None where it did not run or apply."""
     errors: int = 0
     timeouts: int = 0
+    skipped: int = 0
     unknown_task: int = 0
     no_checker: int = 0
     messages: list[str] = field(default_factory=list)
@@ -75,10 +76,18 @@ class BaseLayer:
                     resolved.append(_Resolved(spec.name, get_checker(spec.name), spec.weight, dict(spec.params)))
             self.tasks[task] = resolved
         self.fallback_task = cfg.fallback_task
-        self.ctx = CheckContext(sandbox=SandboxLimits.from_config(cfg.sandbox))
+        self.limits = SandboxLimits.from_config(cfg.sandbox)
+        self.ctx = CheckContext(sandbox=self.limits)
         self.workers = cfg.sandbox.workers
         self._pool: Optional[ThreadPoolExecutor] = None
         self._warned: set[str] = set()
+
+    def check_sandbox(self, tasks) -> None:
+        """Start-up check for a job whose data has ``tasks``: if any uses a sandboxed checker, build the
+        sandbox now, which raises a ConfigError naming reward.sandbox.isolation when no isolation is
+        available (and warns at every start when it is explicitly ``none``)."""
+        if any(r.checker.sandboxed for t in tasks for r in self.tasks.get(t, [])):
+            self.ctx = CheckContext(sandbox=build_sandbox(self.limits))
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -141,6 +150,12 @@ class BaseLayer:
             if not (0.0 <= value <= 1.0):  # NaN fails too
                 raise ValueError(f"returned {value!r}, outside [0, 1]")
             return value
+        except CheckerSkipped as e:
+            out.skipped += 1
+            self._note(out, f"checker {r.key!r} skipped on task {sample.task!r}: {e}")
+            return None
+        except (ConfigError, SandboxStop):  # no isolation, or the sandbox service is down: stop the job
+            raise
         except CheckerTimeout as e:
             out.timeouts += 1
             self._note(out, f"checker {r.key!r} timed out on task {sample.task!r}: {e}")

@@ -10,7 +10,8 @@ A checker is ``fn(sample, ctx, **params) -> float | None``:
   without a pattern); the checker is left out of the average.
 
 A checker that raises scores 0 and is counted as an error; raising
-:class:`CheckerTimeout` counts as a timeout instead. Checkers flagged
+:class:`CheckerTimeout` counts as a timeout instead, and :class:`CheckerSkipped` leaves the
+checker out of that sample's score and counts a skip. Checkers flagged
 ``sandboxed`` run untrusted code in a subprocess and are dispatched to a small
 thread pool so a batch does not take ``n * timeout``.
 """
@@ -24,6 +25,11 @@ from .sample import Sample
 
 class CheckerTimeout(Exception):
     """A checker gave up because its sandboxed run hit the time limit."""
+
+
+class CheckerSkipped(Exception):
+    """The checker could not judge the sample for a reason outside it (e.g. the sandbox service
+    failed): the checker is left out of the sample's score and the skip is counted."""
 
 
 @dataclass(frozen=True)
