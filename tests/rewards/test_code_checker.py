@@ -6,7 +6,7 @@ from dpcc_megatron.config.reward import SandboxConfig
 from dpcc_megatron.rewards import DualTrackReward, get_checker
 from dpcc_megatron.rewards.checkers.code import extract_code, run_tests
 from dpcc_megatron.rewards.registry import CheckerTimeout
-from dpcc_megatron.rewards.sandbox import SandboxLimits, run_python
+from dpcc_megatron.rewards.sandbox import SandboxLimits
 
 from .conftest import S
 
@@ -56,19 +56,6 @@ def test_crash_and_memory_bomb_score_zero(ctx):
     code = get_checker("code")
     assert code(S("def add(a, b):\n    return bytearray(4 << 30)", tests=TESTS), ctx) == 0.0
     assert code(S("import ctypes\nctypes.string_at(0)", tests=TESTS), ctx) == 0.0  # segfault
-
-
-def test_sandbox_blocks_network_and_processes_and_uses_a_temp_dir():
-    limits = SandboxLimits(timeout_s=5)
-    net = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9))", limits)
-    assert net.returncode != 0 and "blocked" in net.stderr
-    proc = run_python("import subprocess\nsubprocess.run(['true'])", limits)
-    assert proc.returncode != 0 and "blocked" in proc.stderr
-    where = run_python("import os\nprint(os.getcwd())\nprint(sorted(os.environ))", limits)
-    cwd, env = where.stdout.splitlines()
-    assert "dpcc-sandbox-" in cwd and "PYTHONPATH" not in env
-    import os
-    assert not os.path.exists(cwd)  # cleaned up
 
 
 def test_code_batch_runs_in_parallel(fast_cfg):

@@ -74,17 +74,19 @@ class LocalProcess:
 
     def _readline(self) -> bytes:
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            if len(self.buf) > MAX_MESSAGE_BYTES:
+        chunks, size = [self.buf], len(self.buf)
+        while b"\n" not in chunks[-1]:
+            if size > MAX_MESSAGE_BYTES:
                 raise self._dead(f"answer over {MAX_MESSAGE_BYTES >> 20} MiB from the sandbox")
             ready, _, _ = select.select([fd], [], [], self._remaining())
             if not ready:
                 continue
-            chunk = os.read(fd, 1 << 16)
+            chunk = os.read(fd, 1 << 20)
             if not chunk:
                 raise self._dead("the solution's process exited")
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
+            chunks.append(chunk)
+            size += len(chunk)
+        line, _, self.buf = b"".join(chunks).partition(b"\n")
         return line
 
     def _dead(self, reason: str, timed_out: bool = False) -> ChannelDead:
