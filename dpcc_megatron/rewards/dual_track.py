@@ -154,6 +154,7 @@ class DualTrackReward:
             "reward/weight_advanced": weights["advanced"],
             "reward/checker_errors": float(bs.errors),
             "reward/checker_timeouts": float(bs.timeouts),
+            "reward/checker_skips": float(bs.skipped),
             "reward/judge_errors": float(judge_errors),
             "reward/checker_errors_total": float(self.totals["checker_errors"]),
             "reward/checker_timeouts_total": float(self.totals["checker_timeouts"]),
