@@ -86,7 +86,8 @@ class BaseLayer:
         """Start-up check for a job whose data has ``tasks``: if any uses a sandboxed checker, build the
         sandbox now, which raises a ConfigError naming reward.sandbox.isolation when no isolation is
         available (and warns at every start when it is explicitly ``none``)."""
-        if any(r.checker.sandboxed for t in tasks for r in self.tasks.get(t, [])):
+        fallback = self.tasks.get(self.fallback_task, []) if self.fallback_task else []
+        if any(r.checker.sandboxed for t in tasks for r in self.tasks.get(t, fallback)):
             self.ctx = CheckContext(sandbox=build_sandbox(self.limits))
 
     def _executor(self) -> ThreadPoolExecutor:

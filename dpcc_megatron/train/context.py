@@ -365,6 +365,7 @@ def setup_run(cfg: JobConfig) -> RunContext:
     cfg = resolve_vocab_size(cfg, tokenizer)
     reward = DualTrackReward(cfg.reward)
     prompts, eval_prompts = _load_data(cfg, set(reward.base_layer.tasks))
+    reward.base_layer.check_sandbox({p.fields.get("task") for p in prompts + eval_prompts})  # code: isolation or stop
     dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
     load_fn = None
