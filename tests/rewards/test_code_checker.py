@@ -77,3 +77,11 @@ def test_code_batch_runs_in_parallel(fast_cfg):
 def test_run_tests_reports_the_failure():
     verdict = run_tests("def f():\n    return 1", "assert f() == 2", SandboxLimits(timeout_s=5))
     assert verdict["passed"] == 0 and "AssertionError" in verdict["error"]
+
+
+def test_tests_that_loop_forever_are_stopped_at_the_deadline(short_ctx):
+    # the trusted tests run in this process; a trace function stops them at the run's deadline
+    start = time.monotonic()
+    with pytest.raises(CheckerTimeout):
+        get_checker("code")(S(ADD, tests="assert add(1, 2) == 3\nwhile True:\n    pass\n"), short_ctx)
+    assert time.monotonic() - start < short_ctx.sandbox.timeout_s + 2

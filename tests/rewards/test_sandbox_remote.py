@@ -6,7 +6,7 @@ import pytest
 
 from dpcc_megatron.config.reward import RemoteSandboxConfig, RewardConfig, SandboxConfig
 from dpcc_megatron.rewards import DualTrackReward
-from dpcc_megatron.rewards.sandbox import RemoteSettings, SandboxLimits, SandboxStop, SandboxUnavailable, build_sandbox
+from dpcc_megatron.rewards.sandbox import SandboxLimits, SandboxStop, SandboxUnavailable, build_sandbox
 
 from .conftest import S
 from .fake_sandbox_fusion import FakeSandboxFusion
@@ -18,7 +18,7 @@ TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(2, 2) == 4\n"
 def _remote(url, **kw) -> SandboxLimits:
     settings = dict(url=url, request_timeout_s=10.0, retries=1, max_in_flight=2, max_queue=8, max_failures=3)
     settings.update(kw)
-    return SandboxLimits(timeout_s=10.0, memory_mb=512, backend="remote", remote=RemoteSettings(**settings))
+    return SandboxLimits(timeout_s=10.0, memory_mb=512, backend="remote", remote=RemoteSandboxConfig(**settings))
 
 
 @pytest.fixture

@@ -16,35 +16,25 @@ In both the tests run in the trusted process (:mod:`.judge`) and reach the solut
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import sys
 import time
 from dataclasses import dataclass, field
 
+from ...config.reward import RemoteSandboxConfig
 from . import isolation
 from .judge import ChannelDead, SandboxUnavailable, Session, run_judge, statements
 from .local import LocalProcess, rlimits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SandboxLimits", "RemoteSettings", "LocalSandbox", "SandboxUnavailable", "SandboxStop", "build_sandbox"]
+__all__ = ["SandboxLimits", "LocalSandbox", "SandboxUnavailable", "SandboxStop", "build_sandbox"]
 
 
 class SandboxStop(RuntimeError):
     """The sandbox failed too often in a row (``reward.sandbox.remote.max_failures``): stop the job."""
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """See :class:`dpcc_megatron.config.reward.RemoteSandboxConfig`."""
-
-    url: str = ""
-    request_timeout_s: float = 30.0
-    retries: int = 2
-    max_in_flight: int = 8
-    max_queue: int = 64
-    max_failures: int = 20
 
 
 @dataclass(frozen=True)
@@ -58,17 +48,14 @@ class SandboxLimits:
     scratch_mb: int = 64
     isolation: str = "auto"
     backend: str = "local"
-    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    remote: RemoteSandboxConfig = field(default_factory=RemoteSandboxConfig)
     python: str = sys.executable
 
     @classmethod
     def from_config(cls, cfg) -> "SandboxLimits":
-        r = cfg.remote
         return cls(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, file_size_mb=cfg.file_size_mb,
                    scratch_mb=cfg.scratch_mb, isolation=cfg.isolation, backend=cfg.backend,
-                   remote=RemoteSettings(url=r.url, request_timeout_s=r.request_timeout_s, retries=r.retries,
-                                         max_in_flight=r.max_in_flight, max_queue=r.max_queue,
-                                         max_failures=r.max_failures))
+                   remote=copy.deepcopy(cfg.remote))
 
     @property
     def cpu_limit_s(self) -> int:
@@ -110,14 +97,15 @@ def build_sandbox(limits: SandboxLimits):
     """The backend for ``limits`` (one per distinct limits per process). Raises
     :class:`~dpcc_megatron.config.base.ConfigError` naming ``reward.sandbox.isolation`` when the local
     backend has no isolation available."""
-    if limits not in _BUILT:
+    key = repr(limits)  # the limits hold the (mutable, unhashable) remote config section
+    if key not in _BUILT:
         if limits.backend == "remote":
             from .remote import RemoteSandbox
 
-            _BUILT[limits] = RemoteSandbox(limits)
+            _BUILT[key] = RemoteSandbox(limits)
         else:
-            _BUILT[limits] = LocalSandbox(limits)
-    return _BUILT[limits]
+            _BUILT[key] = LocalSandbox(limits)
+    return _BUILT[key]
 
 
 # Re-exported for callers that handle a dead channel themselves.
