@@ -85,3 +85,9 @@ def test_tests_that_loop_forever_are_stopped_at_the_deadline(short_ctx):
     with pytest.raises(CheckerTimeout):
         get_checker("code")(S(ADD, tests="assert add(1, 2) == 3\nwhile True:\n    pass\n"), short_ctx)
     assert time.monotonic() - start < short_ctx.sandbox.timeout_s + 2
+
+
+def test_tests_see_the_modules_the_solution_imported(ctx):
+    # written for one shared scope (as MBPP's are): the tests use `math` without importing it
+    code = "import math\ndef area(r):\n    return math.pi * r * r\n"
+    assert get_checker("code")(S(code, tests="assert math.isclose(area(1), 3.14159, rel_tol=1e-3)\n"), ctx) == 1.0

@@ -93,3 +93,14 @@ def test_sandbox_keys_reach_the_limits():
     limits = SandboxLimits.from_config(cfg)
     assert (limits.isolation, limits.scratch_mb, limits.backend) == ("namespaces", 8, "remote")
     assert (limits.remote.url, limits.remote.max_queue) == ("http://sb:8080", 3)
+
+
+def test_a_sandbox_that_fails_to_start_is_a_counted_skip(monkeypatch):
+    cfg = RewardConfig(sandbox=SandboxConfig(timeout_s=10, memory_mb=512, scratch_mb=7))  # its own sandbox
+    build_sandbox(SandboxLimits.from_config(cfg.sandbox))  # isolation found; then its launcher breaks
+    real = isolation.command
+    monkeypatch.setattr(isolation, "command", lambda mode, *a: [real(mode, *a)[0], "--no-such-option"])
+    with DualTrackReward(cfg) as reward:
+        result = reward.score([S("```python\n" + ADD + "```", task="code", tests="assert add(1, 2) == 3\n")])
+    assert result.checker_scores["code"] == [None] and result.metrics["reward/checker_skips"] == 1.0
+    assert "did not start" in result.messages[0]

@@ -85,7 +85,10 @@ class LocalSandbox:
         deadline = time.monotonic() + self.limits.timeout_s
         proc = LocalProcess(self.limits, self.mode, deadline)
         try:
-            return run_judge(Session(proc), code, self.setup, body, total, partial, deadline)
+            verdict = run_judge(Session(proc), code, self.setup, body, total, partial, deadline)
+            if not proc.started and not verdict["timed_out"]:
+                raise SandboxUnavailable(f"the {self.mode} sandbox did not start: {verdict['error']}")
+            return verdict
         finally:
             proc.close()
 

@@ -8,8 +8,8 @@ Protocol (one JSON document per line):
 
 * first line from the trusted side: ``{"rlimits": [[name, soft, hard], ...], "seccomp": hex|null,
   "source": str}``; the driver applies the limits, installs the seccomp filter, then runs the
-  solution as module ``solution`` and answers ``{"ok": {name: value, ...}}`` (its public globals)
-  or ``{"err": [type, message]}``;
+  solution as module ``solution`` and answers ``{"ok": {name: value, ...}}`` (its public globals;
+  a module it imported as ``{"$m": module name}``) or ``{"err": [type, message]}``;
 * then requests ``{"op": "call"|"attr"|"iter"|"next"|"len"|"item", "h": handle, ...}``, each
   answered by ``{"ok": value}`` (``call`` adds ``"after"``: the list/dict/set arguments after the
   call, so in-place mutation reaches the caller), ``{"stop": true}`` (``next`` at the end) or
@@ -30,6 +30,7 @@ import json
 import os
 
 _TAGS = ("$t", "$s", "$f", "$d", "$b", "$c", "$h")
+STARTED = {"started": True}
 
 
 def encode(x, other):
@@ -119,6 +120,7 @@ def _serve():
         send({"err": [type(e).__name__, str(e)[:300]]})
 
     setup = json.loads(req.readline())
+    send(STARTED)  # the sandbox itself works; whatever fails from here on is the solution's doing
     for name, soft, hard in setup["rlimits"]:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     if setup.get("seccomp"):
@@ -126,8 +128,8 @@ def _serve():
     scope = {"__name__": "solution", "__builtins__": __builtins__}
     try:
         exec(compile(setup.pop("source"), "solution.py", "exec"), scope)
-        names = {k: encode(v, keep) for k, v in scope.items()
-                 if not k.startswith("__") and type(v).__name__ != "module"}
+        names = {k: {"$m": v.__name__} if type(v).__name__ == "module" else encode(v, keep)
+                 for k, v in scope.items() if not k.startswith("__")}
     except BaseException as e:  # SystemExit included: exiting while loading is a failure
         fail(e)
         return

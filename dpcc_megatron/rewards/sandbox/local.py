@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from . import isolation
+from .driver import STARTED
 from .judge import MAX_MESSAGE_BYTES, ChannelDead, SandboxUnavailable
 
 DRIVER_SOURCE = open(os.path.join(os.path.dirname(__file__), "driver.py"), encoding="utf-8").read()
@@ -28,6 +29,8 @@ class LocalProcess:
     def __init__(self, limits, mode: str, deadline: float):
         self.deadline = deadline
         self.buf = b""
+        self.started = False
+        """The driver ran inside the sandbox (so a failure from then on is not the sandbox's)."""
         self.scratch = tempfile.TemporaryDirectory(prefix="dpcc-sandbox-") if mode == "none" else None
         env = isolation.sandbox_env()
         if self.scratch is not None:
@@ -47,11 +50,15 @@ class LocalProcess:
         import json
 
         self._write(line.encode("utf-8"))
-        raw = self._readline()
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):
-            raise self._dead("malformed answer from the sandbox") from None
+        while True:
+            raw = self._readline()
+            try:
+                answer = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise self._dead("malformed answer from the sandbox") from None
+            if self.started or answer != STARTED:
+                return answer
+            self.started = True
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()

@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 
+from .driver import STARTED
 from .judge import ChannelDead, SandboxUnavailable, Session, run_judge, statements
 from .local import DRIVER_SOURCE, rlimits
 
@@ -125,9 +126,14 @@ class RemoteSandbox:
                 answers.append(json.loads(raw))
             except ValueError:
                 break
+        status = run.get("status")
+        if not answers or answers.pop(0) != STARTED:
+            if status == "TimeLimitExceeded":
+                return [], ChannelDead("timeout", True)
+            raise SandboxUnavailable(f"the remote sandbox did not start the program: {run.get('status')}, "
+                                     f"{str(run.get('stderr') or '')[-300:]}")
         if len(answers) >= len(lines):
             return answers, None
-        status = run.get("status")
         timed_out = status == "TimeLimitExceeded"
         reason = "timeout" if timed_out else (f"the solution's process exited (exit {run.get('return_code')}): "
                                              f"{str(run.get('stderr') or '')[-300:]}")
