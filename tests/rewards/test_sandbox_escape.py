@@ -173,6 +173,11 @@ def test_rigged_equality(sandbox):
                    "class I(int):\n    def __eq__(self, other):\n        return True\ndef f():\n    return I(2)\n",
                    "class L(list):\n    def __eq__(self, other):\n        return True\ndef f():\n    return L()\n"):
         assert score(attack) == 0.0, attack
+    # shadowing what the asserts themselves use: builtins, or a module the tests take from the solution
+    assert score("def all(*a):\n    return True\ndef f(x):\n    return 0\n",
+                 "assert all(f(x) == x for x in range(3))\n") == 0.0
+    fake_math = "class math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef area(r):\n    return 0\n"
+    assert score(fake_math, "assert math.isclose(area(1), 3.14159, rel_tol=1e-3)\n") == 0.0
     truthy = "class T:\n    def __bool__(self):\n        return True\ndef f():\n    return T()\n"
     assert score(truthy, "assert f()\n") == 0.0
 

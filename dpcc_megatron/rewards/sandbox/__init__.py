@@ -20,12 +20,13 @@ import copy
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from ...config.reward import RemoteSandboxConfig
 from . import isolation
-from .judge import ChannelDead, SandboxUnavailable, Session, run_judge, statements
+from .judge import SandboxUnavailable, Session, run_judge, statements
 from .local import LocalProcess, rlimits
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class LocalSandbox:
 
 
 _BUILT: dict = {}
+_BUILT_LOCK = threading.Lock()
 
 
 def build_sandbox(limits: SandboxLimits):
@@ -101,15 +103,12 @@ def build_sandbox(limits: SandboxLimits):
     :class:`~dpcc_megatron.config.base.ConfigError` naming ``reward.sandbox.isolation`` when the local
     backend has no isolation available."""
     key = repr(limits)  # the limits hold the (mutable, unhashable) remote config section
-    if key not in _BUILT:
-        if limits.backend == "remote":
-            from .remote import RemoteSandbox
+    with _BUILT_LOCK:  # checkers call this from the reward's worker threads
+        if key not in _BUILT:
+            if limits.backend == "remote":
+                from .remote import RemoteSandbox
 
-            _BUILT[key] = RemoteSandbox(limits)
-        else:
-            _BUILT[key] = LocalSandbox(limits)
-    return _BUILT[key]
-
-
-# Re-exported for callers that handle a dead channel themselves.
-ChannelDead = ChannelDead
+                _BUILT[key] = RemoteSandbox(limits)
+            else:
+                _BUILT[key] = LocalSandbox(limits)
+        return _BUILT[key]

@@ -26,7 +26,6 @@ system to the read-only runtime and the scratch.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 import shutil
@@ -37,7 +36,6 @@ from typing import Sequence
 
 from ...config.base import ConfigError
 
-log = logging.getLogger(__name__)
 
 MODES = ("auto", "bwrap", "namespaces", "none")
 BWRAP_INSTALL = "apt-get install -y bubblewrap"

@@ -202,6 +202,24 @@ def _trusted_module(name):
     return module
 
 
+def test_scope(names: dict, body: list[ast.stmt]) -> dict:
+    """What of the solution's names the tests see. Never a built-in's name (a solution's ``all`` or
+    ``isinstance`` would decide the asserts that use them), and, for a standard-library module's name
+    the tests do not call directly (``math.isclose(...)``, not ``copy(...)``), the trusted module."""
+    called = {n.func.id for stmt in body for n in ast.walk(stmt)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    out = {}
+    for name, value in names.items():
+        if hasattr(builtins, name):
+            continue
+        if name in sys.stdlib_module_names and name not in called and not isinstance(value, type(sys)):
+            value = _trusted_module(name)
+            if value is None:
+                continue
+        out[name] = value
+    return out
+
+
 def _copy_back(mine, theirs) -> None:
     if type(mine) is not type(theirs):
         return
@@ -251,7 +269,7 @@ def run_judge(session: Session, source: str, setup: dict, body: list[ast.stmt], 
     except Exception as e:
         return {**verdict, "error": "solution: " + _describe(e)}
     scope = {"__builtins__": builtins, "__name__": "tests"}
-    scope.update(names if type(names) is dict else {})
+    scope.update(test_scope(names, body))
     passed, first_error = 0, None
     previous = sys.gettrace()
     sys.settrace(_deadline_tracer(deadline))

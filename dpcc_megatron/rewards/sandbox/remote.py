@@ -150,7 +150,8 @@ class RemoteSandbox:
                 reply, why = None, ""
                 for attempt in range(self.remote.retries + 1):
                     if attempt:
-                        self.counts["retries"] += 1
+                        with self._lock:
+                            self.counts["retries"] += 1
                         time.sleep(min(2.0, 0.2 * 2 ** (attempt - 1)))
                     reply, why = self._post_once(payload)
                     if reply is not None:
@@ -173,7 +174,8 @@ class RemoteSandbox:
         raise SandboxUnavailable(f"remote sandbox failed: {why}")
 
     def _post_once(self, payload: dict) -> tuple[dict | None, str]:
-        self.counts["requests"] += 1
+        with self._lock:
+            self.counts["requests"] += 1
         data = json.dumps(payload).encode("utf-8")
         req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
         try:
