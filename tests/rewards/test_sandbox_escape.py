@@ -47,13 +47,16 @@ def test_honest_solutions_score_as_before(sandbox):
             "def gen(n):\n    yield from range(n)\n"
             "def sort_in_place(xs):\n    xs.sort()\n"
             "def check(v):\n    if v < 0:\n        raise ValueError('negative')\n    return v\n"
-            "import numpy as np\ndef total(xs):\n    return int(np.sum(xs))\n")
+            "import numpy as np\ndef total(xs):\n    return np.sum(xs)\n"
+            "from collections import Counter, namedtuple\ndef count(s):\n    return Counter(s)\n"
+            "P = namedtuple('P', 'x y')\ndef point():\n    return P(1, 2)\n")
     tests = ("assert f(2) == (2, {2: [2]}, {2}, frozenset(), b'x', 1j, None, 1.5)\n"
              "s = Stack(); s.push(3); s.push(4)\nassert s.pop() == 4 and len(s.items) == 1\n"
              "assert list(gen(3)) == [0, 1, 2]\n"
              "xs = [3, 1, 2]; sort_in_place(xs)\nassert xs == [1, 2, 3]\n"
              "try:\n    check(-1)\n    raise AssertionError('no error')\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
-             "assert total([1, 2, 3]) == 6\n")
+             "assert total([1, 2, 3]) == 6\n"
+             "assert count('aab') == {'a': 2, 'b': 1}\nassert point() == (1, 2)\n")
     assert score(code, tests) == 1.0
 
 
@@ -171,7 +174,8 @@ def test_forged_verdict(sandbox):
 def test_rigged_equality(sandbox):
     for attack in ("class E:\n    def __eq__(self, other):\n        return True\ndef f():\n    return E()\n",
                    "class I(int):\n    def __eq__(self, other):\n        return True\ndef f():\n    return I(2)\n",
-                   "class L(list):\n    def __eq__(self, other):\n        return True\ndef f():\n    return L()\n"):
+                   "class L(list):\n    def __eq__(self, other):\n        return True\ndef f():\n    return L()\n",
+                   "class B(int):\n    def __bool__(self):\n        return True\ndef f():\n    return B(0)\n"):
         assert score(attack) == 0.0, attack
     # shadowing what the asserts themselves use: builtins, or a module the tests take from the solution
     assert score("def all(*a):\n    return True\ndef f(x):\n    return 0\n",

@@ -17,9 +17,10 @@ Protocol (one JSON document per line):
 
 Values cross as plain data only: ``None``, ``bool``, ``int``, ``float``, ``str`` and ``list`` as
 JSON, and tagged objects for ``tuple`` (``$t``), ``set`` (``$s``), ``frozenset`` (``$f``),
-``dict`` (``$d``, a list of pairs), ``bytes`` (``$b``, base64) and ``complex`` (``$c``). Types are
-matched exactly (``type(x) is int``), so a subclass with a rigged ``__eq__`` is never sent by
-value. Anything else stays in the sandbox and crosses as a handle ``{"$h": n}``: the trusted side
+``dict`` (``$d``, a list of pairs), ``bytes`` (``$b``, base64) and ``complex`` (``$c``). A subclass
+of one of these (``Counter``, a ``namedtuple``, an ``IntEnum``, or one with a rigged ``__eq__``)
+and a numpy scalar cross as their plain content, so its methods are never used on the trusted
+side. Anything else stays in the sandbox and crosses as a handle ``{"$h": n}``: the trusted side
 can call it, read attributes, iterate, index or take its length, but never compares it by value.
 
 The solution's own stdin and stdout are /dev/null: the protocol runs on private duplicates of
@@ -31,6 +32,7 @@ import os
 
 _TAGS = ("$t", "$s", "$f", "$d", "$b", "$c", "$h")
 STARTED = {"started": True}
+_BASES = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
 
 
 def encode(x, other):
@@ -50,6 +52,11 @@ def encode(x, other):
         return {"$b": base64.b64encode(x).decode("ascii")}
     if t is complex:
         return {"$c": [x.real, x.imag]}
+    for base in _BASES:  # a subclass (Counter, namedtuple, IntEnum, a rigged one) crosses as its content
+        if isinstance(x, base):
+            return encode(base(x), other)
+    if t.__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars, as Python numbers
+        return encode(x.item(), other)
     return other(x)
 
 

@@ -242,6 +242,8 @@ def _describe(e: BaseException) -> str:
 
 def _deadline_tracer(deadline: float):
     def trace(frame, event, arg):
+        if frame.f_code.co_filename != "tests.py":  # only the test file's own lines are traced
+            return None
         if time.monotonic() > deadline:
             raise JudgeTimeout("tests exceeded the time limit")
         return trace
