@@ -110,9 +110,19 @@ def _root_links() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _bwrap_has(option: str) -> bool:
+    try:
+        return option in subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def bwrap_argv(python: str, scratch_mb: int) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns",
+    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if _bwrap_has("--disable-userns"):  # bubblewrap >= 0.8; the seccomp filter denies unshare anyway
+        argv.append("--disable-userns")
     for path in runtime_paths(python):
         argv += ["--ro-bind", path, path]
     for name, target in _root_links():
