@@ -7,13 +7,16 @@ solution loaded, the trusted tests calling it over the plain-data channel. The s
 below) mixes honest, wrong and crashing solutions of a few small tasks. Every mode available here
 (``none``, ``namespaces``, ``bwrap``) scores the same batch, ``workers`` runs at a time, and the
 modes alternate round by round so that load from other processes falls on all of them alike; the
-figure per mode is the median over rounds. The verdicts of every mode must agree. Ends with one
+figure per mode is the median over rounds. CPU ms per run (this process and its reaped
+descendants, user + system; not for bwrap, whose processes in its PID namespace are not reaped
+into that figure) does not depend on the load from others as wall time does. The verdicts of every mode must agree. Ends with one
 JSON line; ``--tiny`` (one round of 6 samples, no warm-up: a few seconds) is what CI runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -47,11 +50,18 @@ def samples() -> list[tuple[str, str]]:
     return out
 
 
-def run_batch(sandbox, batch, workers: int) -> tuple[float, list[int]]:
-    start = time.perf_counter()
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its reaped descendants."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_batch(sandbox, batch, workers: int) -> tuple[float, float, list[int]]:
+    """Wall seconds, CPU seconds and the passed asserts of each sample."""
+    start, cpu = time.perf_counter(), _cpu_s()
     with ThreadPoolExecutor(workers) as pool:
         verdicts = list(pool.map(lambda s: sandbox.run_tests(s[0], s[1]), batch))
-    return time.perf_counter() - start, [v["passed"] for v in verdicts]
+    return time.perf_counter() - start, _cpu_s() - cpu, [v["passed"] for v in verdicts]
 
 
 def main(argv=None) -> dict:
@@ -73,24 +83,30 @@ def main(argv=None) -> dict:
     for sandbox in modes.values() if not args.tiny else ():  # warm-up: first-run costs out of the timing
         run_batch(sandbox, batch[:4], args.workers)
     times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
     passed = {}
     for _ in range(args.rounds):
         for mode, sandbox in modes.items():
-            dt, got = run_batch(sandbox, batch, args.workers)
+            dt, dcpu, got = run_batch(sandbox, batch, args.workers)
             times[mode].append(dt)
+            cpu[mode].append(dcpu)
             passed.setdefault(mode, got)
             if got != passed[mode]:
                 raise SystemExit(f"{mode}: verdicts changed between rounds")
     reference = passed["none"]
     agree = {m: p == reference for m, p in passed.items()}
     rate = {m: len(batch) / statistics.median(t) for m, t in times.items()}
-    print(f"{len(batch)} runs per round, {args.rounds} rounds, {args.workers} workers; runs/s (median round)")
-    print(f"{'mode':<12}{'runs/s':>10}{'x none':>10}{'verdicts':>12}")
+    # bubblewrap's processes inside its PID namespace are not reaped into our children's usage: no CPU figure
+    cpu_ms = {m: 1e3 * statistics.median(c) / len(batch) for m, c in cpu.items() if m != "bwrap"}
+    print(f"{len(batch)} runs per round, {args.rounds} rounds, {args.workers} workers; median round")
+    print(f"{'mode':<12}{'runs/s':>10}{'x none':>10}{'CPU ms/run':>12}{'x none':>10}{'verdicts':>10}")
     for m in modes:
-        print(f"{m:<12}{rate[m]:>10.1f}{rate[m] / rate['none']:>10.2f}{'same' if agree[m] else 'DIFFER':>12}")
+        c = (f"{cpu_ms[m]:>12.1f}{cpu_ms[m] / cpu_ms['none']:>10.2f}" if m in cpu_ms else f"{'-':>12}{'-':>10}")
+        print(f"{m:<12}{rate[m]:>10.1f}{rate[m] / rate['none']:>10.2f}{c}{'same' if agree[m] else 'DIFFER':>10}")
     result = {"bench": "sandbox", "runs_per_round": len(batch), "rounds": args.rounds, "workers": args.workers,
               "runs_per_s": {m: round(r, 2) for m, r in rate.items()},
               "ratio_to_none": {m: round(r / rate["none"], 3) for m, r in rate.items()},
+              "cpu_ms_per_run": {m: round(c, 1) for m, c in cpu_ms.items()},
               "verdicts_agree": all(agree.values()), "passed_total": sum(reference), "tiny": args.tiny}
     print(json.dumps(result))
     return result

@@ -224,3 +224,10 @@ def test_the_namespaces_mode_isolates_too(tmp_path):
     assert score("import socket\ndef f():\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n    return 1\n",
                  limits=limits) == 0.0
     assert score("def f():\n    return 1\n", limits=limits) == 1.0
+
+
+def test_a_solution_that_will_not_exit_is_killed_after_a_short_grace(sandbox):
+    start = time.monotonic()
+    lingering = "import threading, time\nthreading.Thread(target=time.sleep, args=(100,)).start()\ndef f():\n    return 1\n"
+    assert score(lingering) == 1.0  # an honest answer, then the process is ended
+    assert time.monotonic() - start < 8

@@ -13,6 +13,7 @@ from . import isolation
 from .driver import STARTED
 from .judge import MAX_MESSAGE_BYTES, ChannelDead, SandboxUnavailable
 
+_EXIT_GRACE_S = 1.0
 DRIVER_SOURCE = open(os.path.join(os.path.dirname(__file__), "driver.py"), encoding="utf-8").read()
 
 
@@ -128,6 +129,15 @@ class LocalProcess:
             return None
 
     def close(self) -> None:
+        """End of the run: end of input lets the driver exit (so the sandbox tears down and is reaped in
+        order); whatever still runs after a short grace, or after a timeout, is killed."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None and time.monotonic() < self.deadline:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=min(_EXIT_GRACE_S, self.deadline - time.monotonic()))
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
         self.kill()
         for f in (getattr(self, "proc", None) and self.proc.stdin, getattr(self, "proc", None) and self.proc.stdout,
                   self.err):
