@@ -36,7 +36,7 @@ class CheckerSkipped(Exception):
 class CheckContext:
     """What a checker may need besides the sample and its params."""
 
-    sandbox: "object"  # SandboxLimits; typed loosely to keep this module import-light
+    sandbox: "object"  # SandboxLimits or a built sandbox backend; typed loosely to keep this module import-light
 
 
 CheckerFn = Callable[..., Optional[float]]
