@@ -6,7 +6,8 @@ A labelled set is a folder with ``labels.jsonl``, one object per stream::
      "onset": 12, "direction": "low", "source": "benchmarks/stability"}
 
 ``stream`` is a metrics.jsonl file (one record per iteration, as the trainer writes it),
-relative to the folder; ``label`` is ``collapse``, ``healthy`` or ``degraded`` (a run that did
+relative to the folder, or a member of that name of the folder's ``streams.tar.xz`` (:data:`PACK`,
+written by :func:`write_pack`: a set of many streams kept as one compressed file); ``label`` is ``collapse``, ``healthy`` or ``degraded`` (a run that did
 not collapse but ended worse than it started: neither a miss nor a false alarm); ``split`` is ``dev`` or
 ``heldout`` (tune on dev, report held-out); ``onset`` (collapse only) is the iteration the
 collapse began, by the labeller's definition; ``direction`` (``high``/``low``) and ``source``
@@ -31,9 +32,11 @@ The reward read is the rule track (``reward_base_mean``) when the stream has it,
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -47,6 +50,49 @@ SPLITS = ("dev", "heldout")
 
 class LabelError(ValueError):
     """A malformed labelled set (the message names the file and line)."""
+
+
+#: The archive of a labelled set's streams: an xz-compressed tar whose member names are the labels' ``stream``.
+PACK = "streams.tar.xz"
+
+
+@dataclass(frozen=True)
+class PackedStream:
+    """One stream read from a labelled set's :data:`PACK` (``read_text`` as a path's)."""
+
+    archive: Path
+    member: str
+    data: bytes = field(repr=False)
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.data.decode(encoding)
+
+    def __str__(self) -> str:
+        return f"{self.archive}:{self.member}"
+
+
+def read_pack(archive: str | Path) -> dict[str, bytes]:
+    """Member name -> bytes of every file in a :data:`PACK` archive."""
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise LabelError(f"{archive}: not a readable tar.xz archive: {e}") from None
+
+
+def write_pack(archive: str | Path, streams: dict[str, str]) -> Path:
+    """Write ``streams`` (member name -> text) as a :data:`PACK` archive, members sorted by name with a
+    fixed time and owner, so the same streams give the same bytes. Written to a temporary name first."""
+    archive = Path(archive)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:xz", preset=9) as tar:
+        for name in sorted(streams):
+            data = streams[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    tmp.replace(archive)
+    return archive
 
 
 @dataclass
@@ -125,6 +171,7 @@ def read_labels(folder: str | Path) -> list[dict]:
     if not path.is_file():
         raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl)")
     out = []
+    packed = read_pack(folder / PACK) if (folder / PACK).is_file() else {}
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -139,16 +186,21 @@ def read_labels(folder: str | Path) -> list[dict]:
             raise LabelError(f"{where}: label must be one of {', '.join(LABELS)}, got {obj.get('label')!r}")
         if obj.get("split") not in SPLITS:
             raise LabelError(f"{where}: split must be one of {', '.join(SPLITS)}, got {obj.get('split')!r}")
-        stream = folder / str(obj.get("stream", ""))
-        if not obj.get("stream") or not stream.is_file():
-            raise LabelError(f"{where}: stream {obj.get('stream')!r} is not a file in {folder}")
-        out.append(dict(obj, path=stream))
+        name = str(obj.get("stream") or "")
+        stream = folder / name
+        if name and stream.is_file():
+            out.append(dict(obj, path=stream))
+        elif name in packed:
+            out.append(dict(obj, path=PackedStream(folder / PACK, name, packed[name])))
+        else:
+            raise LabelError(f"{where}: stream {obj.get('stream')!r} is not a file in {folder}"
+                             + (f" nor a member of its {PACK}" if packed else ""))
     if not out:
         raise LabelError(f"{path}: no streams")
     return out
 
 
-def read_stream(path: Path) -> list[dict]:
+def read_stream(path: "Path | PackedStream") -> list[dict]:
     recs = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
