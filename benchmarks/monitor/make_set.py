@@ -11,9 +11,9 @@ whose config is unchanged is not trained again), so an interrupted build resumes
 
 With ``--write DIR`` the streams are labelled (:mod:`benchmarks.monitor.labels`: a written rule
 on the reward and entropy curves, never by hand), trimmed to the fields the detector reads, and
-written as the members ``streams/*.jsonl`` of one compressed file, DIR/streams.tar.xz, with
-DIR/labels.jsonl, ready for ``dpcc-megatron monitor evaluate --labelled DIR``
-(``tar -xJf DIR/streams.tar.xz -C DIR`` unpacks them).
+written with their labels as one compressed file, DIR/set.tar.xz (members ``labels.jsonl`` and
+``streams/*.jsonl``), ready for ``dpcc-megatron monitor evaluate --labelled DIR``
+(``tar -xJf DIR/set.tar.xz -C DIR`` unpacks it).
 
 The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 51-52 are the
 held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
@@ -248,9 +248,10 @@ def _labelled(run_dir: Path, streams: dict, name: str, split: Optional[str] = No
 def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_grids=(), dev_grids=()) -> list[dict]:
     """Label every finished run of ``families`` (and of the stability-runner folders ``stability``, split
     by seed, and ``heldout_grids`` / ``dev_grids``, any testbed, all held out / all dev) and write
-    DIR/streams.tar.xz + DIR/labels.jsonl."""
-    if (dest / "streams").is_dir():  # the reader prefers loose files: they would hide the new streams
-        raise SystemExit(f"{dest / 'streams'}: loose streams of an earlier set; remove it or write elsewhere")
+    DIR/set.tar.xz (labels.jsonl and streams/)."""
+    for loose in (dest / "streams", dest / "labels.jsonl"):  # the reader prefers loose files: they would hide the set
+        if loose.exists():
+            raise SystemExit(f"{loose}: loose files of an earlier set; remove them or write elsewhere")
     dest.mkdir(parents=True, exist_ok=True)
     labels, streams = [], {}
     for fam, seed in planned(families):
@@ -273,8 +274,7 @@ def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_gr
                                         family=family, method=method, lr=lr, seed=seed,
                                         source=f"benchmarks/stability/run.py --grid {grid} ({family})"))
     labels = [x for x in labels if x is not None]
-    write_pack(dest / PACK, streams)
-    (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
+    write_pack(dest / PACK, streams, labels)
     return labels
 
 

@@ -6,12 +6,16 @@ A labelled set is a folder with ``labels.jsonl``, one object per stream::
      "onset": 12, "direction": "low", "source": "benchmarks/stability"}
 
 ``stream`` is a metrics.jsonl file (one record per iteration, as the trainer writes it),
-relative to the folder, or a member of that name of the folder's ``streams.tar.xz`` (:data:`PACK`,
-written by :func:`write_pack`: a set of many streams kept as one compressed file); ``label`` is ``collapse``, ``healthy`` or ``degraded`` (a run that did
+relative to the folder; ``label`` is ``collapse``, ``healthy`` or ``degraded`` (a run that did
 not collapse but ended worse than it started: neither a miss nor a false alarm); ``split`` is ``dev`` or
 ``heldout`` (tune on dev, report held-out); ``onset`` (collapse only) is the iteration the
 collapse began, by the labeller's definition; ``direction`` (``high``/``low``) and ``source``
 are informational.
+
+A set of many streams may be kept as one compressed file instead: the folder's ``set.tar.xz``
+(:data:`PACK`, written by :func:`write_pack`), whose members are ``labels.jsonl`` and the streams
+under the names the labels give. A loose ``labels.jsonl`` or stream file in the folder is read
+before a member of the same name.
 
 Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 
@@ -52,8 +56,9 @@ class LabelError(ValueError):
     """A malformed labelled set (the message names the file and line)."""
 
 
-#: The archive of a labelled set's streams: an xz-compressed tar whose member names are the labels' ``stream``.
-PACK = "streams.tar.xz"
+#: A labelled set as one file: an xz-compressed tar of ``labels.jsonl`` and the streams it names.
+PACK = "set.tar.xz"
+LABELS_FILE = "labels.jsonl"
 
 
 @dataclass(frozen=True)
@@ -80,9 +85,13 @@ def read_pack(archive: str | Path) -> dict[str, bytes]:
         raise LabelError(f"{archive}: not a readable tar.xz archive: {e}") from None
 
 
-def write_pack(archive: str | Path, streams: dict[str, str]) -> Path:
-    """Write ``streams`` (member name -> text) as a :data:`PACK` archive, members sorted by name with a
-    fixed time and owner, so the same streams give the same bytes. Written to a temporary name first."""
+def write_pack(archive: str | Path, streams: dict[str, str], labels: Optional[list[dict]] = None) -> Path:
+    """Write ``streams`` (member name -> text), and ``labels`` as its ``labels.jsonl``, as a :data:`PACK`
+    archive, members sorted by name with a fixed time and owner, so the same set gives the same bytes.
+    Written to a temporary name first."""
+    streams = dict(streams)
+    if labels is not None:
+        streams[LABELS_FILE] = "".join(json.dumps(x) + "\n" for x in labels)
     archive = Path(archive)
     tmp = archive.with_name(archive.name + ".tmp")
     with tarfile.open(tmp, "w:xz", preset=9) as tar:
@@ -167,12 +176,16 @@ def half_reward_iteration(records: list[dict], window: int = SMOOTH, min_tail: i
 
 def read_labels(folder: str | Path) -> list[dict]:
     folder = Path(folder)
-    path = folder / "labels.jsonl"
-    if not path.is_file():
-        raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl)")
-    out = []
+    path = folder / LABELS_FILE
     packed = read_pack(folder / PACK) if (folder / PACK).is_file() else {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif LABELS_FILE in packed:
+        path, text = f"{folder / PACK}:{LABELS_FILE}", packed[LABELS_FILE].decode("utf-8")
+    else:
+        raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl, loose or in its {PACK})")
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"

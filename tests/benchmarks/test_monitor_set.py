@@ -180,9 +180,9 @@ def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 51, "heldout", "healthy"),
                    ("stab-grid", "dpcc", 51, "heldout", "degraded")}
     assert len(read_labels(tmp_path / "out")) == 3  # a valid labelled set
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["labels.jsonl", "streams.tar.xz"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["set.tar.xz"]  # labels and streams in one file
     (tmp_path / "loose" / "streams").mkdir(parents=True)  # loose streams there would hide the packed ones
-    with pytest.raises(SystemExit, match="loose streams"):
+    with pytest.raises(SystemExit, match="loose files"):
         write_set(tmp_path / "set", tmp_path / "loose", families=(), stability=[stab])
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
@@ -250,14 +250,14 @@ def _evaluate(folder, split):
 
 def test_evaluate_command_on_a_committed_subset(tmp_path):
     grids = LABELLED.parent / "labelled-grids"  # a part read once as held out
-    labels = [json.loads(line) for line in (grids / "labels.jsonl").read_text().splitlines() if line.strip()]
+    labels = read_labels(grids)  # the committed set is one set.tar.xz: its streams are written out loose here
     pick = ([x for x in labels if x["split"] == "heldout" and x["label"] == "collapse"][:2]
             + [x for x in labels if x["split"] == "heldout" and x["label"] == "healthy"][:2])
     (tmp_path / "streams").mkdir()
-    packed = {x["stream"]: x["path"] for x in read_labels(grids)}  # the committed streams are packed
     for x in pick:
-        (tmp_path / x["stream"]).write_text(packed[x["stream"]].read_text())
-    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pick))
+        (tmp_path / x["stream"]).write_text(x["path"].read_text())
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps({k: v for k, v in x.items() if k != "path"}) + "\n"
+                                                   for x in pick))
     table, scores = _evaluate(tmp_path, "heldout")
     for key in KEYS:
         assert key in scores, key
@@ -369,8 +369,10 @@ def test_thin_evals_keeps_evaluations_every_n_iterations(tmp_path):
     (src / "streams" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (src / "labels.jsonl").write_text(json.dumps({"stream": "streams/a.jsonl", "label": "healthy", "split": "dev"}) + "\n")
     assert thin_folder(src, tmp_path / "dest", 5) == 1
-    ((dest,),) = [read_labels(tmp_path / "dest")]  # written packed: one streams.tar.xz
-    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["labels.jsonl", "streams.tar.xz"]
+    (dest,) = read_labels(tmp_path / "dest")  # written packed: one set.tar.xz, labels kept
+    assert [p.name for p in (tmp_path / "dest").iterdir()] == ["set.tar.xz"]
+    assert {k: dest[k] for k in ("stream", "label", "split")} == {"stream": "streams/a.jsonl", "label": "healthy",
+                                                                  "split": "dev"}
     got = [json.loads(x) for x in dest["path"].read_text().splitlines()]
     assert [i for i, r in enumerate(got) if "eval_reward_greedy" in r] == [0, 5]
     assert all(r["reward_mean"] == 0.3 for r in got)

@@ -98,20 +98,26 @@ def test_a_set_packed_in_one_archive_scores_as_the_loose_one(tmp_path):
                                         "h1": (_healthy(), "healthy", "heldout")})
     packed = tmp_path / "packed"
     packed.mkdir()
-    members = {x["stream"]: x["path"].read_text() for x in read_labels(loose)}
-    write_pack(packed / PACK, members)
-    (packed / "labels.jsonl").write_text((loose / "labels.jsonl").read_text())
+    labels = read_labels(loose)
+    members = {x["stream"]: x["path"].read_text() for x in labels}
+    write_pack(packed / PACK, members, [{k: v for k, v in x.items() if k != "path"} for x in labels])
+    assert [p.name for p in packed.iterdir()] == [PACK]  # the whole set in one file
     cfg = MonitorConfig(entropy_band=(1.5, 2.5), collapse_confirm_steps=3)
     assert evaluate(packed, cfg) == evaluate(loose, cfg)
     got = read_labels(packed)
     assert [str(x["path"]) for x in got] == [f"{packed / PACK}:c1.jsonl", f"{packed / PACK}:h1.jsonl"]
-    # the same streams give the same bytes (sorted members, fixed times), so a rewrite leaves git clean
+    # the same set gives the same bytes (sorted members, fixed times), so a rewrite leaves git clean
     first = (packed / PACK).read_bytes()
-    write_pack(packed / PACK, dict(reversed(members.items())))
+    write_pack(packed / PACK, dict(reversed(members.items())), [{k: v for k, v in x.items() if k != "path"}
+                                                                for x in labels])
     assert (packed / PACK).read_bytes() == first
-    # a label naming a stream the archive lacks, and an archive that is not one, name the file
+    # a loose labels.jsonl is read before the archive's; one naming a stream the archive lacks names the file
     (packed / "labels.jsonl").write_text('{"stream": "h9.jsonl", "label": "healthy", "split": "dev"}\n')
     with pytest.raises(LabelError, match=r"labels.jsonl:1: stream 'h9.jsonl' is not a file .* nor a member of its"):
+        read_labels(packed)
+    (packed / "labels.jsonl").unlink()
+    write_pack(packed / PACK, members)  # an archive without labels.jsonl is no set
+    with pytest.raises(LabelError, match="not found"):
         read_labels(packed)
     (packed / PACK).write_bytes(b"not xz")
     with pytest.raises(LabelError, match="not a readable tar.xz archive"):
