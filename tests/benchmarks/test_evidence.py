@@ -101,3 +101,38 @@ def test_the_tracked_evidence_is_compact():
     reports = [p for p in tracked if p.startswith("benchmarks/stability/") and p.endswith("/RESULTS.md")
                and "deep-ablations" not in p]  # deep-ablations/: its tables were made by ablations.py from runs not kept
     assert reports and all(str(Path(p).parent / EXPORT) in tracked for p in reports)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_the_demo_runs_the_testbed_and_lr_it_was_chosen_on(tmp_path):
+    """`make demo` compares GRPO and DPCC on the stability testbed whose held-out runs chose its LR
+    (benchmarks/stability/demo-lr.md): same job, same warm-start, and on those seeds GRPO collapsed
+    at that LR in most runs and DPCC in none; the demo's seed is not one of them."""
+    from benchmarks.stability.grid import GRIDS, WARM_START as BENCH_WARM_START, build_config, run_overrides
+    from dpcc_megatron.commands.demo import COMPARISON, METHODS, WARM_START, _config, warm_start_overrides
+
+    grid, lr, seed = GRIDS["small"], COMPARISON["optim.lr"], COMPARISON["train.seed"]
+    # set per launch: where things go, and the sidecar (the demo's runs have one watching, control off)
+    paths = ("train.output_dir", "checkpoint.dir", "checkpoint.load", "monitor.control_enabled", "monitor.enabled")
+    for method, overrides in METHODS.items():
+        demo = _flat(_config({**COMPARISON, **overrides}))
+        bench = _flat(build_config(run_overrides(grid, method, lr, seed)))
+        assert {k: v for k, v in demo.items() if k not in paths} == {k: v for k, v in bench.items() if k not in paths}
+        assert demo["monitor.control_enabled"] is False  # the monitor watches, its advice does not act
+    warm = _flat(_config({**COMPARISON, **warm_start_overrides(WARM_START["steps"], tmp_path)}))
+    bench = _flat(build_config({**grid.extra, "train.iterations": 0, "train.warmup_sft_steps": grid.warm_start_steps,
+                                "train.warmup_sft_lr": BENCH_WARM_START["lr"], "train.seed": BENCH_WARM_START["seed"]}))
+    assert {k: v for k, v in warm.items() if k not in paths} == {k: v for k, v in bench.items() if k not in paths}
+    assert warm["monitor.enabled"] is False
+    runs = read_export(STABILITY / "latched-recovery" / "addition" / EXPORT)
+    at = {m: [r for r in runs if r["method"] == m and r["lr"] == lr] for m in METHODS}
+    assert len(at["grpo"]) == len(at["dpcc"]) == 16 and seed not in {r["seed"] for r in runs}
+    assert sum(r["collapsed"] for r in at["grpo"]) == 12 and sum(r["collapsed"] for r in at["dpcc"]) == 0
+    # and at the next smaller LR of that grid GRPO did not collapse in most seeds: 2e-3 is the smallest that does
+    assert sum(r["collapsed"] for r in runs if r["method"] == "grpo" and r["lr"] < lr) * 2 < 16
