@@ -1,5 +1,5 @@
 # The README's two commands. Both create .venv when it is missing.
-#   make demo   a small real DPCC RL run on the CPU
+#   make demo   GRPO and DPCC side by side from one warm-start, on the CPU
 #   make test   the test suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv

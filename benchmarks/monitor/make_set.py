@@ -11,8 +11,9 @@ whose config is unchanged is not trained again), so an interrupted build resumes
 
 With ``--write DIR`` the streams are labelled (:mod:`benchmarks.monitor.labels`: a written rule
 on the reward and entropy curves, never by hand), trimmed to the fields the detector reads, and
-written to DIR/streams/*.jsonl with DIR/labels.jsonl, ready for
-``dpcc-megatron monitor evaluate --labelled DIR``.
+written with their labels as one compressed file, DIR/set.tar.xz (members ``labels.jsonl`` and
+``streams/*.jsonl``), ready for ``dpcc-megatron monitor evaluate --labelled DIR``
+(``tar -xJf DIR/set.tar.xz -C DIR`` unpacks it).
 
 The dev/held-out split is fixed by seed before any tuning (:func:`split_of`): seeds 51-52 are the
 held-out part, every other seed is ``dev``. Each held-out part is read once, then joins dev:
@@ -48,6 +49,7 @@ from benchmarks.stability.grid import (AGGRESSIVE_LR, BROKEN_LR, GRIDS, SAFE_LR,
                                        run_overrides, steps_per_iteration)
 from benchmarks.stability.run import ensure_warm_start, parse_sets, train_once
 
+from dpcc_megatron.monitor.evaluate import PACK, write_pack
 from dpcc_megatron.train.evaluate import RECORD_FIELDS
 
 from .labels import label_stream
@@ -223,10 +225,11 @@ def grid_of(folder: Path) -> tuple[str, dict, str]:
     return grid_family(testbed, layers) + ("-ref" if ref else ""), testbed, grid[1] if grid else "small"
 
 
-def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None, steps: Optional[int] = None,
+def _labelled(run_dir: Path, streams: dict, name: str, split: Optional[str] = None, steps: Optional[int] = None,
               **info) -> Optional[dict]:
-    """Trim, label and write one run's stream. ``steps``: the testbed's optimizer steps per iteration, written
-    as ``optimizer_steps`` into records of runs made before the trainer recorded it."""
+    """Trim and label one run's stream, put into ``streams`` (member name -> text). ``steps``: the testbed's
+    optimizer steps per iteration, written as ``optimizer_steps`` into records of runs made before the
+    trainer recorded it."""
     records = with_evals(trim(read_metrics(run_dir)), read_evals(run_dir))
     if steps is not None:
         records = [r if "optimizer_steps" in r else {**r, "optimizer_steps": steps} for r in records]
@@ -234,7 +237,7 @@ def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None,
         return None
     summary = json.loads((run_dir / "train_summary.json").read_text())
     stream = f"streams/{name}.jsonl"
-    (dest / stream).write_text("".join(json.dumps(r) + "\n" for r in records))
+    streams[stream] = "".join(json.dumps(r) + "\n" for r in records)
     greedy = (summary.get("reward_before"), summary.get("reward_after"))
     lab = label_stream(records, stop_reason=summary.get("stop_reason", ""), greedy=greedy)
     return {"stream": stream, "label": lab.pop("label"), "split": split or split_of(info["seed"]), **lab,
@@ -245,30 +248,33 @@ def _labelled(run_dir: Path, dest: Path, name: str, split: Optional[str] = None,
 def write_set(out: Path, dest: Path, families=FAMILIES, stability=(), heldout_grids=(), dev_grids=()) -> list[dict]:
     """Label every finished run of ``families`` (and of the stability-runner folders ``stability``, split
     by seed, and ``heldout_grids`` / ``dev_grids``, any testbed, all held out / all dev) and write
-    DIR/streams + DIR/labels.jsonl."""
-    (dest / "streams").mkdir(parents=True, exist_ok=True)
-    labels = []
+    DIR/set.tar.xz (labels.jsonl and streams/)."""
+    for loose in (dest / "streams", dest / "labels.jsonl"):  # the reader prefers loose files: they would hide the set
+        if loose.exists():
+            raise SystemExit(f"{loose}: loose files of an earlier set; remove them or write elsewhere")
+    dest.mkdir(parents=True, exist_ok=True)
+    labels, streams = [], {}
     for fam, seed in planned(families):
         name = run_name(fam, seed)
         run_dir = out / "runs" / name
         if (run_dir / "metrics.jsonl").is_file():
-            labels.append(_labelled(run_dir, dest, name, family=fam.name, method=fam.method, lr=fam.lr, seed=seed,
+            labels.append(_labelled(run_dir, streams, name, family=fam.name, method=fam.method, lr=fam.lr, seed=seed,
                                     source="benchmarks/monitor/make_set.py: " + fam.why))
     for folder in stability:
         for method, lr, seed, run_dir in stability_runs(Path(folder)):
             name = f"{STABILITY_FAMILY}__{run_key(method, lr, seed)}"
-            labels.append(_labelled(run_dir, dest, name, family=STABILITY_FAMILY, method=method, lr=lr, seed=seed,
+            labels.append(_labelled(run_dir, streams, name, family=STABILITY_FAMILY, method=method, lr=lr, seed=seed,
                                     source="benchmarks/stability/run.py --grid small"))
     for split, folders in (("heldout", heldout_grids), ("dev", dev_grids)):
         for folder in folders:
             family, testbed, grid = grid_of(Path(folder))
             for method, lr, seed, run_dir in stability_runs(Path(folder), any_testbed=True):
                 name = f"{family}__{run_key(method, lr, seed)}"
-                labels.append(_labelled(run_dir, dest, name, split=split, steps=steps_per_iteration(testbed),
+                labels.append(_labelled(run_dir, streams, name, split=split, steps=steps_per_iteration(testbed),
                                         family=family, method=method, lr=lr, seed=seed,
                                         source=f"benchmarks/stability/run.py --grid {grid} ({family})"))
     labels = [x for x in labels if x is not None]
-    (dest / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
+    write_pack(dest / PACK, streams, labels)
     return labels
 
 

@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
+
+from dpcc_megatron.monitor.evaluate import PACK, read_labels, write_pack
 
 from .calibrate import thin_evals
 
 
 def thin_folder(src: Path, dest: Path, every: int) -> int:
-    """Write DEST (labels.jsonl and streams/) from SRC; returns the number of streams written."""
+    """Write DEST/set.tar.xz from SRC (loose or packed), with SRC's labels; returns the number of streams."""
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
-    (dest / "streams").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src / "labels.jsonl", dest / "labels.jsonl")
-    n = 0
-    for path in sorted((src / "streams").glob("*.jsonl")):
-        records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        (dest / "streams" / path.name).write_text("".join(json.dumps(thin_evals(r, every)) + "\n" for r in records))
-        n += 1
-    return n
+    streams, labels = {}, []
+    for x in read_labels(src):
+        records = [json.loads(line) for line in x["path"].read_text().splitlines() if line.strip()]
+        streams[x["stream"]] = "".join(json.dumps(thin_evals(r, every)) + "\n" for r in records)
+        labels.append({k: v for k, v in x.items() if k != "path"})
+    dest.mkdir(parents=True, exist_ok=True)
+    write_pack(dest / PACK, streams, labels)
+    return len(streams)
 
 
 def main(argv=None) -> int:

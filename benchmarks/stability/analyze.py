@@ -1,10 +1,14 @@
 """Tables, paired comparisons and plots from the cached results of `run.py`.
 
     python -m benchmarks.stability.analyze --out runs/stability --results-md benchmarks/stability/RESULTS.md
+    python -m benchmarks.stability.analyze --out benchmarks/stability/results.jsonl.xz --results-md /tmp/RESULTS.md
 
 Reads OUT/results/*.json and OUT/manifest.json, writes the markdown report and two PNG
 plots next to it. Everything is recomputed from the cached results, so it can run while
-the benchmark is still going (the report says how many runs it covers).
+the benchmark is still going (the report says how many runs it covers). OUT may also be a
+report's export (``--export``: every run's measures and curves, one JSON line each, in one
+xz-compressed file; plain or gzip-compressed JSON lines are read too): the tables and plots come
+back from it, the manifest's lines (date, machine, commands) do not.
 """
 from __future__ import annotations
 
@@ -68,15 +72,46 @@ def mean_ci95(values) -> tuple[float, float, float, int]:
 
 
 # ---------------------------------------------------------------- loading
+#: The file name ``--export`` writes next to a report.
+EXPORT = "results.jsonl.xz"
+
+
+def read_export(path: Path) -> list[dict]:
+    """The runs of a report's export: JSON lines, xz- (``.xz``), gzip- (``.gz``) or not compressed."""
+    import gzip
+    import lzma
+
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_export(path: Path, results: list[dict]) -> Path:
+    """Every run (rounded, sorted by LR, method and seed) as xz-compressed JSON lines: :func:`read_export`'s input."""
+    import lzma
+
+    rows = sorted(results, key=lambda r: (r["lr"], r["method"], r["seed"]))
+    with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
+        f.writelines(json.dumps(_rounded(r), sort_keys=True) + "\n" for r in rows)
+    return path
+
+
 def load_results(out: Path, target: float | None = None) -> tuple[list[dict], list[dict]]:
-    """Cached results (ok, failed); with ``target`` the iterations-to-target are recomputed from the curves."""
+    """Results (ok, failed) cached in a runner folder, or of a report's export file (:func:`read_export`; its
+    method names are already the report's); with ``target`` the iterations-to-target are recomputed from the
+    curves."""
     from .grid import variant_name
     from .measures import iterations_to_target
 
     ok, failed = [], []
-    for path in sorted((out / "results").glob("*.json")):
-        r = json.loads(path.read_text())
-        r["method"] = variant_name(r["method"], r.get("set"))  # a development variant is its own method
+    if out.is_file():
+        rows = read_export(out)
+    else:
+        rows = [json.loads(path.read_text()) for path in sorted((out / "results").glob("*.json"))]
+    for r in rows:
+        if "[" not in r["method"]:  # a development variant is its own method (an export's are named already)
+            r["method"] = variant_name(r["method"], r.get("set"))
+    for r in rows:
         if "error" not in r and target is not None:
             r["iters_to_target"] = iterations_to_target(r["reward_base_curve"], target)
             r["target_reward"] = target
@@ -525,11 +560,9 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         *claims_paragraph(summary, paired, lrs, (PAPER_VARIANT, IMPROVED_VARIANT)), "",
     ]
     if export:
-        path = md_path.parent / "results.jsonl"
-        with open(path, "w") as f:
-            for r in sorted(results + failed, key=lambda r: (r["lr"], r["method"], r["seed"])):
-                f.write(json.dumps(_rounded(r), sort_keys=True) + "\n")
-        lines += [f"Every run's measures and curves: [`{path.name}`]({path.name}).", ""]
+        path = write_export(md_path.parent / EXPORT, results + failed)
+        lines += [f"Every run's measures and curves: [`{path.name}`]({path.name}) (xz-compressed JSON lines; "
+                  f"`python -m benchmarks.stability.analyze --out {path.name}` rebuilds the tables from it).", ""]
     if notes is not None and notes.is_file():
         lines += ["## Interpretation", "", notes.read_text().strip(), ""]
     md_path.write_text("\n".join(lines))
@@ -538,12 +571,12 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/stability", help="the runner's output directory")
+    p.add_argument("--out", default="runs/stability", help="the runner's output directory, or a report's export file")
     p.add_argument("--results-md", default="benchmarks/stability/RESULTS.md", help="report to write")
     p.add_argument("--notes", default=None, help="markdown file appended as the interpretation section")
     p.add_argument("--target", type=float, default=None,
                    help="target sampled rule reward for 'iterations to target' (default: the grid's)")
-    p.add_argument("--export", action="store_true", help="also write results.jsonl (every run) next to the report")
+    p.add_argument("--export", action="store_true", help=f"also write {EXPORT} (every run) next to the report")
     p.add_argument("--targets-of", action="append", default=[], metavar="METHOD",
                    help="read the default's targets for this method (repeatable; default: dpcc)")
     args = p.parse_args(argv)

@@ -12,6 +12,11 @@ not collapse but ended worse than it started: neither a miss nor a false alarm);
 collapse began, by the labeller's definition; ``direction`` (``high``/``low``) and ``source``
 are informational.
 
+A set of many streams may be kept as one compressed file instead: the folder's ``set.tar.xz``
+(:data:`PACK`, written by :func:`write_pack`), whose members are ``labels.jsonl`` and the streams
+under the names the labels give. A loose ``labels.jsonl`` or stream file in the folder is read
+before a member of the same name.
+
 Each stream is replayed through a fresh :class:`CollapseDetector`. The scores:
 
 * **recall**: collapsed streams with a confirmed critical alert no later than the iteration
@@ -31,9 +36,11 @@ The reward read is the rule track (``reward_base_mean``) when the stream has it,
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -47,6 +54,54 @@ SPLITS = ("dev", "heldout")
 
 class LabelError(ValueError):
     """A malformed labelled set (the message names the file and line)."""
+
+
+#: A labelled set as one file: an xz-compressed tar of ``labels.jsonl`` and the streams it names.
+PACK = "set.tar.xz"
+LABELS_FILE = "labels.jsonl"
+
+
+@dataclass(frozen=True)
+class PackedStream:
+    """One stream read from a labelled set's :data:`PACK` (``read_text`` as a path's)."""
+
+    archive: Path
+    member: str
+    data: bytes = field(repr=False)
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.data.decode(encoding)
+
+    def __str__(self) -> str:
+        return f"{self.archive}:{self.member}"
+
+
+def read_pack(archive: str | Path) -> dict[str, bytes]:
+    """Member name -> bytes of every file in a :data:`PACK` archive."""
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise LabelError(f"{archive}: not a readable tar.xz archive: {e}") from None
+
+
+def write_pack(archive: str | Path, streams: dict[str, str], labels: Optional[list[dict]] = None) -> Path:
+    """Write ``streams`` (member name -> text), and ``labels`` as its ``labels.jsonl``, as a :data:`PACK`
+    archive, members sorted by name with a fixed time and owner, so the same set gives the same bytes.
+    Written to a temporary name first."""
+    streams = dict(streams)
+    if labels is not None:
+        streams[LABELS_FILE] = "".join(json.dumps(x) + "\n" for x in labels)
+    archive = Path(archive)
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:xz", preset=9) as tar:
+        for name in sorted(streams):
+            data = streams[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    tmp.replace(archive)
+    return archive
 
 
 @dataclass
@@ -121,11 +176,16 @@ def half_reward_iteration(records: list[dict], window: int = SMOOTH, min_tail: i
 
 def read_labels(folder: str | Path) -> list[dict]:
     folder = Path(folder)
-    path = folder / "labels.jsonl"
-    if not path.is_file():
-        raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl)")
+    path = folder / LABELS_FILE
+    packed = read_pack(folder / PACK) if (folder / PACK).is_file() else {}
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif LABELS_FILE in packed:
+        path, text = f"{folder / PACK}:{LABELS_FILE}", packed[LABELS_FILE].decode("utf-8")
+    else:
+        raise LabelError(f"{path}: not found (a labelled set is a folder with labels.jsonl, loose or in its {PACK})")
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -139,16 +199,21 @@ def read_labels(folder: str | Path) -> list[dict]:
             raise LabelError(f"{where}: label must be one of {', '.join(LABELS)}, got {obj.get('label')!r}")
         if obj.get("split") not in SPLITS:
             raise LabelError(f"{where}: split must be one of {', '.join(SPLITS)}, got {obj.get('split')!r}")
-        stream = folder / str(obj.get("stream", ""))
-        if not obj.get("stream") or not stream.is_file():
-            raise LabelError(f"{where}: stream {obj.get('stream')!r} is not a file in {folder}")
-        out.append(dict(obj, path=stream))
+        name = str(obj.get("stream") or "")
+        stream = folder / name
+        if name and stream.is_file():
+            out.append(dict(obj, path=stream))
+        elif name in packed:
+            out.append(dict(obj, path=PackedStream(folder / PACK, name, packed[name])))
+        else:
+            raise LabelError(f"{where}: stream {obj.get('stream')!r} is not a file in {folder}"
+                             + (f" nor a member of its {PACK}" if packed else ""))
     if not out:
         raise LabelError(f"{path}: no streams")
     return out
 
 
-def read_stream(path: Path) -> list[dict]:
+def read_stream(path: "Path | PackedStream") -> list[dict]:
     recs = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():

@@ -2,7 +2,6 @@
 `monitor evaluate --labelled` on the committed streams."""
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,59 +22,6 @@ KEYS = ("recall", "precision", "median_lead_iterations", "healthy_critical", "wa
 def _stream(rewards, entropies):
     return [{"iteration": i, "reward_base_mean": r, "reward_mean": r, "entropy": e}
             for i, (r, e) in enumerate(zip(rewards, entropies))]
-
-
-def test_labelling_rule_on_curves():
-    # learning: reward rises, entropy falls far below the band -> healthy (a mastered task)
-    learn = label_stream(_stream([0.3 + 0.02 * i for i in range(30)], [0.8 - 0.025 * i for i in range(30)]))
-    assert learn["label"] == "healthy" and learn["onset"] is None and learn["entropy_exit"] is not None
-    # reward falls to a tenth from iteration 10 and stays: collapse; trailing mean halves at 11, and the
-    # entropy left the band at 10 with the reward below the start (the entropy clause): onset 10
-    down = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [0.1] * 10))
-    assert (down["label"], down["onset"], down["direction"], down["instant"]) == ("collapse", 10, "low", False)
-    assert down["halves"] == 11
-    assert down["entropy_exit"] == 10 and down["entropy_band"] == [0.32, 1.6]
-    # the entropy climbs instead: same onset, high direction
-    up = label_stream(_stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [3.0] * 10))
-    assert up["label"] == "collapse" and up["direction"] == "high"
-    # the first update destroys the policy: an instant collapse
-    assert label_stream(_stream([0.4] + [0.02] * 9, [0.8] * 10))["instant"] is True
-    # a dip the run recovers from, or a fall in its last iterations, is no collapse
-    assert label_stream(_stream([0.4] * 5 + [0.05] * 4 + [0.4] * 6, [0.8] * 15))["label"] == "healthy"
-    assert label_stream(_stream([0.4] * 10 + [0.05] * 3, [0.8] * 13))["label"] == "healthy"
-
-
-def test_degraded_clause_reads_the_greedy_reward_before_and_after():
-    flat = _stream([0.3] * 20, [0.8] * 20)
-    # no collapse by the curves; the held-out greedy reward fell: degraded (neither a collapse nor healthy)
-    assert label_stream(flat, greedy=(0.35, 0.30))["label"] == "degraded"
-    assert label_stream(flat, greedy=(0.30, 0.30))["label"] == "healthy"  # ended where it started
-    assert label_stream(flat, greedy=(0.30, 0.45))["label"] == "healthy"
-    # without the greedy reward (or with a non-finite one) there is no degraded verdict
-    assert label_stream(flat)["label"] == "healthy"
-    assert label_stream(flat, greedy=(0.35, float("nan")))["label"] == "healthy"
-    # a collapse stays a collapse whatever the greedy reward did
-    down = _stream([0.4] * 10 + [0.04] * 10, [0.8] * 10 + [0.1] * 10)
-    assert label_stream(down, greedy=(0.3, 0.5))["label"] == "collapse"
-
-
-def test_entropy_clause_of_the_labelling_rule():
-    # entropy leaves the band (0.4 x 0.8 = 0.32) for 5 iterations from 6 with the reward no better than
-    # at the start, and the reward never halves: a collapse read on the entropy curve, onset 6
-    flat = label_stream(_stream([0.3] * 20, [0.8] * 6 + [0.2] * 14))
-    assert (flat["label"], flat["onset"], flat["halves"], flat["entropy_collapse"], flat["direction"]) == (
-        "collapse", 6, None, 6, "low")
-    # four iterations out of the band are not enough; nor is a stretch in which the reward rose (mastering)
-    assert label_stream(_stream([0.3] * 20, [0.8] * 6 + [0.2] * 4 + [0.8] * 10))["label"] == "healthy"
-    assert label_stream(_stream([0.3] * 6 + [0.6] * 14, [0.8] * 6 + [0.2] * 14))["label"] == "healthy"
-    # above the band (random output) counts alike
-    assert label_stream(_stream([0.3] * 20, [0.8] * 6 + [2.0] * 14))["direction"] == "high"
-    # the earlier of the two clauses is the onset
-    both = label_stream(_stream([0.3] * 10 + [0.02] * 10, [0.8] * 4 + [0.2] * 16))
-    assert (both["onset"], both["halves"], both["entropy_collapse"]) == (4, 11, 4)
-    # a trainer stopped on non-finite steps
-    nf = label_stream(_stream([0.4] * 6, [0.8] * 5 + [float("nan")]), stop_reason="stopped: 5 consecutive non-finite")
-    assert nf["label"] == "collapse" and nf["onset"] == 5
 
 
 def test_split_is_fixed_by_seed_and_trim_keeps_the_detector_fields():
@@ -181,6 +127,10 @@ def test_stability_runs_join_the_set_with_their_testbed_checked(tmp_path):
     assert got == {("stab-grid", "grpo", 9, "dev", "collapse"), ("stab-grid", "dpcc", 51, "heldout", "healthy"),
                    ("stab-grid", "dpcc", 51, "heldout", "degraded")}
     assert len(read_labels(tmp_path / "out")) == 3  # a valid labelled set
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["set.tar.xz"]  # labels and streams in one file
+    (tmp_path / "loose" / "streams").mkdir(parents=True)  # loose streams there would hide the packed ones
+    with pytest.raises(SystemExit, match="loose files"):
+        write_set(tmp_path / "set", tmp_path / "loose", families=(), stability=[stab])
     # another testbed (the 4-layer grid) is refused, not mixed in
     (stab / "manifest.json").write_text(json.dumps({"testbed": {**TESTBED.extra, "model.num_layers": 4}}))
     with pytest.raises(SystemExit, match="testbed"):
@@ -247,13 +197,14 @@ def _evaluate(folder, split):
 
 def test_evaluate_command_on_a_committed_subset(tmp_path):
     grids = LABELLED.parent / "labelled-grids"  # a part read once as held out
-    labels = [json.loads(line) for line in (grids / "labels.jsonl").read_text().splitlines() if line.strip()]
+    labels = read_labels(grids)  # the committed set is one set.tar.xz: its streams are written out loose here
     pick = ([x for x in labels if x["split"] == "heldout" and x["label"] == "collapse"][:2]
             + [x for x in labels if x["split"] == "heldout" and x["label"] == "healthy"][:2])
     (tmp_path / "streams").mkdir()
     for x in pick:
-        shutil.copy(grids / x["stream"], tmp_path / x["stream"])
-    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pick))
+        (tmp_path / x["stream"]).write_text(x["path"].read_text())
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps({k: v for k, v in x.items() if k != "path"}) + "\n"
+                                                   for x in pick))
     table, scores = _evaluate(tmp_path, "heldout")
     for key in KEYS:
         assert key in scores, key
@@ -365,7 +316,11 @@ def test_thin_evals_keeps_evaluations_every_n_iterations(tmp_path):
     (src / "streams" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (src / "labels.jsonl").write_text(json.dumps({"stream": "streams/a.jsonl", "label": "healthy", "split": "dev"}) + "\n")
     assert thin_folder(src, tmp_path / "dest", 5) == 1
-    got = [json.loads(x) for x in (tmp_path / "dest" / "streams" / "a.jsonl").read_text().splitlines()]
+    (dest,) = read_labels(tmp_path / "dest")  # written packed: one set.tar.xz, labels kept
+    assert [p.name for p in (tmp_path / "dest").iterdir()] == ["set.tar.xz"]
+    assert {k: dest[k] for k in ("stream", "label", "split")} == {"stream": "streams/a.jsonl", "label": "healthy",
+                                                                  "split": "dev"}
+    got = [json.loads(x) for x in dest["path"].read_text().splitlines()]
     assert [i for i, r in enumerate(got) if "eval_reward_greedy" in r] == [0, 5]
     assert all(r["reward_mean"] == 0.3 for r in got)
     # calibrate's --eval-every reads the same thinning, and 1 keeps everything

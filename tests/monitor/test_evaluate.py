@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from dpcc_megatron.config import MonitorConfig
-from dpcc_megatron.monitor.evaluate import LabelError, evaluate, half_reward_iteration, score, StreamResult
+from dpcc_megatron.monitor.evaluate import (PACK, LabelError, evaluate, half_reward_iteration, read_labels, score,
+                                            StreamResult, write_pack)
 
 
 def _healthy(n=30):
@@ -89,6 +90,38 @@ def test_bad_labels_name_the_file_and_line(tmp_path):
     (tmp_path / "labels.jsonl").write_text('{"stream": "x", "label": "broken", "split": "dev"}\n')
     with pytest.raises(LabelError, match="label must be one of"):
         evaluate(tmp_path, MonitorConfig(), None)
+
+
+def test_a_set_packed_in_one_archive_scores_as_the_loose_one(tmp_path):
+    (tmp_path / "loose").mkdir()
+    loose = _write(tmp_path / "loose", {"c1": (_entropy_collapse(), "collapse", "heldout"),
+                                        "h1": (_healthy(), "healthy", "heldout")})
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    labels = read_labels(loose)
+    members = {x["stream"]: x["path"].read_text() for x in labels}
+    write_pack(packed / PACK, members, [{k: v for k, v in x.items() if k != "path"} for x in labels])
+    assert [p.name for p in packed.iterdir()] == [PACK]  # the whole set in one file
+    cfg = MonitorConfig(entropy_band=(1.5, 2.5), collapse_confirm_steps=3)
+    assert evaluate(packed, cfg) == evaluate(loose, cfg)
+    got = read_labels(packed)
+    assert [str(x["path"]) for x in got] == [f"{packed / PACK}:c1.jsonl", f"{packed / PACK}:h1.jsonl"]
+    # the same set gives the same bytes (sorted members, fixed times), so a rewrite leaves git clean
+    first = (packed / PACK).read_bytes()
+    write_pack(packed / PACK, dict(reversed(members.items())), [{k: v for k, v in x.items() if k != "path"}
+                                                                for x in labels])
+    assert (packed / PACK).read_bytes() == first
+    # a loose labels.jsonl is read before the archive's; one naming a stream the archive lacks names the file
+    (packed / "labels.jsonl").write_text('{"stream": "h9.jsonl", "label": "healthy", "split": "dev"}\n')
+    with pytest.raises(LabelError, match=r"labels.jsonl:1: stream 'h9.jsonl' is not a file .* nor a member of its"):
+        read_labels(packed)
+    (packed / "labels.jsonl").unlink()
+    write_pack(packed / PACK, members)  # an archive without labels.jsonl is no set
+    with pytest.raises(LabelError, match="not found"):
+        read_labels(packed)
+    (packed / PACK).write_bytes(b"not xz")
+    with pytest.raises(LabelError, match="not a readable tar.xz archive"):
+        read_labels(packed)
 
 
 def test_cli_prints_the_table_and_one_json_line(tmp_path):
