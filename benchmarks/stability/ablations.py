@@ -6,7 +6,7 @@ For every variant (default: the methods named ``<reference>-...`` in the folder)
 on the seeds where both finished: collapses at the higher LRs (every LR but the smallest) with the
 exact paired (McNemar) p, and per LR the paired mean difference of the final greedy reward (variant
 minus reference) with its 95% t interval. A piece "matters" on a measure when the p is below 0.05
-or the interval excludes 0 (``benchmarks/stability/archive/rest-methods.md``). Prints a markdown table.
+or the interval excludes 0 (``benchmarks/stability/archive/kl-target.md#rest-methods``). Prints a markdown table.
 """
 from __future__ import annotations
 

@@ -8,7 +8,12 @@ plots next to it. Everything is recomputed from the cached results, so it can ru
 the benchmark is still going (the report says how many runs it covers). OUT may also be a
 report's export (``--export``: every run's measures and curves, one JSON line each, in one
 xz-compressed file; plain or gzip-compressed JSON lines are read too): the tables and plots come
-back from it, the manifest's lines (date, machine, commands) do not.
+back from it, the manifest's lines (date, machine, commands) do not. A multi-part export holds several
+testbeds' (or archived reports') runs in one file, each row keyed by ``part``; ``--part NAME`` (or
+``--out FILE#NAME``) tabulates one part:
+
+    python -m benchmarks.stability.analyze --out benchmarks/stability/latched-recovery.jsonl.xz --part onestep \
+        --results-md /tmp/onestep/RESULTS.md
 """
 from __future__ import annotations
 
@@ -76,37 +81,67 @@ def mean_ci95(values) -> tuple[float, float, float, int]:
 EXPORT = "results.jsonl.xz"
 
 
-def read_export(path: Path) -> list[dict]:
-    """The runs of a report's export: JSON lines, xz- (``.xz``), gzip- (``.gz``) or not compressed."""
+#: The key naming a row's part in a multi-part export (one file for a report's testbeds, or for the archive).
+PART = "part"
+
+
+def export_parts(rows: list[dict]) -> list[str]:
+    """The parts of an export's rows, in order of appearance (empty for a one-part export)."""
+    return list(dict.fromkeys(r[PART] for r in rows if PART in r))
+
+
+def read_export(path: Path, part: str | None = None) -> list[dict]:
+    """The runs of a report's export: JSON lines, xz- (``.xz``), gzip- (``.gz``) or not compressed. A
+    multi-part export (rows keyed by ``part``) needs ``part``: that part's rows, or an error naming the parts."""
     import gzip
     import lzma
 
     opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    parts = export_parts(rows)
+    if part is None and parts:
+        raise SystemExit(f"{path} holds several parts ({', '.join(parts)}): choose one with --part")
+    if part is not None:
+        if part not in parts:
+            raise SystemExit(f"{path} has no part {part!r} (its parts: {', '.join(parts) or 'none'})")
+        rows = [r for r in rows if r.get(PART) == part]
+    return rows
 
 
 def write_export(path: Path, results: list[dict]) -> Path:
-    """Every run (rounded, sorted by LR, method and seed) as xz-compressed JSON lines: :func:`read_export`'s input."""
+    """Every run (rounded, sorted by part, LR, method and seed) as xz-compressed JSON lines: :func:`read_export`'s
+    input. Rows carrying ``part`` make a multi-part export."""
     import lzma
 
-    rows = sorted(results, key=lambda r: (r["lr"], r["method"], r["seed"]))
+    rows = sorted(results, key=lambda r: (r.get(PART, ""), r["lr"], r["method"], r["seed"]))
     with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
         f.writelines(json.dumps(_rounded(r), sort_keys=True) + "\n" for r in rows)
     return path
 
 
-def load_results(out: Path, target: float | None = None) -> tuple[list[dict], list[dict]]:
+def split_part(out: Path, part: str | None = None) -> tuple[Path, str | None]:
+    """``FILE#PART`` (a part of a multi-part export, for tools that take several ``--out``) as (FILE, PART)."""
+    text = str(out)
+    if part is None and "#" in text and not out.exists():
+        text, part = text.rsplit("#", 1)
+    return Path(text), part
+
+
+def load_results(out: Path, target: float | None = None, part: str | None = None) -> tuple[list[dict], list[dict]]:
     """Results (ok, failed) cached in a runner folder, or of a report's export file (:func:`read_export`; its
-    method names are already the report's); with ``target`` the iterations-to-target are recomputed from the
-    curves."""
+    method names are already the report's; ``part``, or ``FILE#PART``, picks a part of a multi-part export); with
+    ``target`` the iterations-to-target are recomputed from the curves."""
     from .grid import variant_name
     from .measures import iterations_to_target
 
+    out, part = split_part(out, part)
     ok, failed = [], []
     if out.is_file():
-        rows = read_export(out)
+        rows = read_export(out, part)
     else:
+        if part is not None:
+            raise SystemExit(f"--part {part}: {out} is a runner folder, not a multi-part export file")
         rows = [json.loads(path.read_text()) for path in sorted((out / "results").glob("*.json"))]
     for r in rows:
         if "[" not in r["method"]:  # a development variant is its own method (an export's are named already)
@@ -486,12 +521,12 @@ def _testbed_title(manifest: dict) -> str:
 
 
 def write_report(out: Path, md_path: Path, notes: Path | None = None, target: float | None = None,
-                 export: bool = False, targets_of: tuple[str, ...] = ()) -> Path:
+                 export: bool = False, targets_of: tuple[str, ...] = (), part: str | None = None) -> Path:
     from .grid import GRIDS, IMPROVED_VARIANT, METHODS, PAPER_VARIANT
     from .measures import BAND
 
     full_grid = GRIDS["full"]
-    results, failed = load_results(out, target)
+    results, failed = load_results(out, target, part)
     if not results:
         raise SystemExit(f"no results under {out / 'results'}: run `python -m benchmarks.stability.run` first")
     manifest = json.loads((out / "manifest.json").read_text()) if (out / "manifest.json").is_file() else {}
@@ -520,7 +555,8 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         f"runs started {manifest.get('started', '?')}.",
         f"- Machine: {manifest.get('machine') or machine()}.",
         "- Commands: " + ", then ".join(f"`{c}`" for c in _commands(manifest))
-        + f", then `python -m benchmarks.stability.analyze --out {manifest.get('out', out)}`.",
+        + f", then `python -m benchmarks.stability.analyze --out {manifest.get('out', out)}"
+        + (f" --part {part}" if part else "") + "`.",
         f"- Full grid ({len(full_grid.methods)} methods × {len(full_grid.lrs)} LRs × {len(full_grid.seeds)} seeds = "
         f"{len(full_grid.runs())} runs): `python -m benchmarks.stability.run --grid full --out runs/stability "
         "--jobs 2` (resumable: rerun the same command after an interruption).",
@@ -579,9 +615,12 @@ def main(argv=None) -> int:
     p.add_argument("--export", action="store_true", help=f"also write {EXPORT} (every run) next to the report")
     p.add_argument("--targets-of", action="append", default=[], metavar="METHOD",
                    help="read the default's targets for this method (repeatable; default: dpcc)")
+    p.add_argument("--part", default=None,
+                   help="the part (testbed, or archived report) of a multi-part export to tabulate; also --out FILE#PART")
     args = p.parse_args(argv)
-    path = write_report(Path(args.out).resolve(), Path(args.results_md), Path(args.notes) if args.notes else None,
-                        args.target, args.export, tuple(args.targets_of))
+    out, part = split_part(Path(args.out), args.part)
+    path = write_report(out.resolve(), Path(args.results_md), Path(args.notes) if args.notes else None,
+                        args.target, args.export, tuple(args.targets_of), part)
     print(f"[stability] wrote {path}")
     return 0
 

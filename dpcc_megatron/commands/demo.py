@@ -40,7 +40,7 @@ DEMO_CONFIG = {
 }
 
 #: The comparison's job over :data:`DEMO_CONFIG` (dotted keys): the stability benchmark's testbed of
-#: ``benchmarks/stability/latched-recovery/addition/`` (grid ``small``) at the pre-registered LR and seed.
+#: ``benchmarks/stability/latched-recovery.md#addition`` (grid ``small``) at the pre-registered LR and seed.
 COMPARISON = {
     "parallel.tensor_model_parallel_size": 1,
     "rollout.prompts_per_iteration": 8, "rollout.batch_size": 64, "rollout.max_new_tokens": 4,

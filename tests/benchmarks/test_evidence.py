@@ -2,6 +2,7 @@
 from it with the analysis tools."""
 import gzip
 import json
+import lzma
 import re
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.stability.analyze import EXPORT, load_results, read_export, write_export, write_report
+from benchmarks.stability.analyze import EXPORT, PART, export_parts, load_results, read_export, write_export, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 STABILITY = ROOT / "benchmarks" / "stability"
@@ -46,12 +47,27 @@ def test_export_round_trip_and_the_formats_load_results_reads(tmp_path):
     assert {r["iters_to_target"] for r in load_results(path, target=0.9)[0]} == {None}
 
 
+#: Multi-part reports: the markdown holding each part's tables (after a ``<!-- part: NAME -->`` line), and
+#: the export holding every part's runs (rows keyed by ``part``).
+MULTI_PART = {"latched-recovery.md": "latched-recovery.jsonl.xz", "archive/early-defaults.md": "archive/runs.jsonl.xz",
+              "archive/kl-target.md": "archive/runs.jsonl.xz", "archive/fast-recovery.md": "archive/runs.jsonl.xz"}
+PART_MARK = re.compile(r"^<!-- part: (\S+) -->$", re.M)
+
+
+def _part_sections(text: str) -> dict[str, str]:
+    """A multi-part report's sections, by part name."""
+    pieces = PART_MARK.split(text)
+    return dict(zip(pieces[1::2], pieces[2::2]))
+
+
 def _tables(text: str) -> dict[str, list[list[str]]]:
-    """The rows (cells) of the report's results and paired-comparison tables."""
+    """The rows (cells) of the report's results and paired-comparison tables (a part's are headed one or two
+    levels lower)."""
     out, cur = {}, None
     for line in text.splitlines():
-        if line.startswith("## "):
-            cur = "results" if line.startswith("## Results") else "paired" if line.startswith("## Paired") else None
+        if re.match(r"#+ ", line):
+            title = line.lstrip("#").strip()
+            cur = "results" if title.startswith("Results") else "paired" if title.startswith("Paired") else None
         elif cur and line.startswith("|"):
             out.setdefault(cur, []).append([c.strip() for c in line.split("|")])
     return out
@@ -69,11 +85,15 @@ def _same_to_the_last_digit(a: str, b: str) -> bool:
                for x, y in zip(na, nb))
 
 
-@pytest.mark.parametrize("report", ["RESULTS.md", "latched-recovery/onestep/RESULTS.md"])
-def test_a_reports_tables_regenerate_from_its_committed_export(tmp_path, report):
+@pytest.mark.parametrize("report,part", [("RESULTS.md", None), ("latched-recovery.md", "onestep"),
+                                         ("latched-recovery.md", "deep-addition"),
+                                         ("archive/kl-target.md", "kl-target/confirm/addition")])
+def test_a_reports_tables_regenerate_from_its_committed_export(tmp_path, report, part):
     md = STABILITY / report
-    regenerated = write_report(md.parent / EXPORT, tmp_path / "RESULTS.md")
-    want, got = _tables(md.read_text()), _tables(regenerated.read_text())
+    export = STABILITY / MULTI_PART[report] if part else md.parent / EXPORT
+    regenerated = write_report(export, tmp_path / "RESULTS.md", part=part)
+    text = _part_sections(md.read_text())[part] if part else md.read_text()
+    want, got = _tables(text), _tables(regenerated.read_text())
     assert set(want) == {"results", "paired"} and set(got) == set(want)
     differ = 0
     for table in want:
@@ -98,9 +118,44 @@ def test_the_tracked_evidence_is_compact():
     assert [p for p in tracked if p.endswith(".jsonl")] == []
     sets = sorted(p for p in tracked if p.startswith("benchmarks/monitor/labelled"))
     assert sets and all(p.endswith("/set.tar.xz") for p in sets)
-    reports = [p for p in tracked if p.startswith("benchmarks/stability/") and p.endswith("/RESULTS.md")
-               and "deep-ablations" not in p]  # deep-ablations/: its tables were made by ablations.py from runs not kept
+    reports = [p for p in tracked if p.startswith("benchmarks/stability/") and p.endswith("/RESULTS.md")]
     assert reports and all(str(Path(p).parent / EXPORT) in tracked for p in reports)
+    # a multi-part report: one markdown for its parts' tables, one export for their runs
+    for report, export in MULTI_PART.items():
+        assert f"benchmarks/stability/{report}" in tracked and f"benchmarks/stability/{export}" in tracked
+    folded = [p for p in tracked if p.startswith(("benchmarks/stability/archive/", "benchmarks/stability/latched-recovery/"))
+              and not p.endswith(".md") and p != "benchmarks/stability/archive/runs.jsonl.xz"]
+    assert folded == []
+
+
+def test_every_part_of_a_multi_part_report_has_its_tables_and_its_runs():
+    parts_of = {}
+    for report, export in MULTI_PART.items():
+        sections = _part_sections((STABILITY / report).read_text())
+        assert sections, report
+        for name, text in sections.items():
+            tables = _tables(text)
+            assert len(tables.get("results", [])) > 3, (report, name)  # a header, a rule and rows
+            parts_of.setdefault(export, []).append(name)
+    for export, named in parts_of.items():
+        assert sorted(named) == sorted(set(named))  # a part is tabulated once
+        with lzma.open(STABILITY / export, "rt") as f:
+            stored = export_parts([json.loads(line) for line in f])
+        assert sorted(stored) == sorted(named), export  # every part's runs are tabulated, and every table has runs
+        for name in named[:1]:
+            assert {r[PART] for r in read_export(STABILITY / export, name)} == {name}
+
+
+def test_a_multi_part_export_needs_its_part(tmp_path):
+    path = write_export(tmp_path / "m.jsonl.xz", [_run(part="a"), _run(seed=2, part="b"), _run(seed=3, part="a")])
+    with pytest.raises(SystemExit, match="several parts \\(a, b\\)"):
+        read_export(path)
+    with pytest.raises(SystemExit, match="no part 'c'"):
+        read_export(path, "c")
+    assert [r["seed"] for r in read_export(path, "a")] == [1, 3]
+    ok, _ = load_results(Path(f"{path}#b"))  # FILE#PART, for the tools that take several --out
+    assert [r["seed"] for r in ok] == [2]
+    assert [r["seed"] for r in load_results(path, part="a")[0]] == [1, 3]
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -130,7 +185,7 @@ def test_the_demo_runs_the_testbed_and_lr_it_was_chosen_on(tmp_path):
                                 "train.warmup_sft_lr": BENCH_WARM_START["lr"], "train.seed": BENCH_WARM_START["seed"]}))
     assert {k: v for k, v in warm.items() if k not in paths} == {k: v for k, v in bench.items() if k not in paths}
     assert warm["monitor.enabled"] is False
-    runs = read_export(STABILITY / "latched-recovery" / "addition" / EXPORT)
+    runs = read_export(STABILITY / "latched-recovery.jsonl.xz", "addition")
     at = {m: [r for r in runs if r["method"] == m and r["lr"] == lr] for m in METHODS}
     assert len(at["grpo"]) == len(at["dpcc"]) == 16 and seed not in {r["seed"] for r in runs}
     assert sum(r["collapsed"] for r in at["grpo"]) == 12 and sum(r["collapsed"] for r in at["dpcc"]) == 0
