@@ -17,13 +17,13 @@ with ``dpcc-megatron monitor evaluate --labelled DIR``.
 Grids: ``main`` (the band, confirmation, patience, mastered gain and the KL thresholds) and
 ``one-step`` (``kl_one_step_factor``, the KL thresholds' factor for one-step iterations, searched on
 streams of one optimizer step per iteration with the after-step KL; ``--base`` holds the ``main``
-choice), as fixed by ``benchmarks/monitor/fifth-calibration.md``; ``sixth`` (the ``reward_drop``
+choice), as fixed by ``benchmarks/monitor/RESULTS.md#fifth-calibration``; ``sixth`` (the ``reward_drop``
 rule's fraction, patience and window, or off, with the one-step factor re-read), as fixed by
-``benchmarks/monitor/sixth-calibration.md``; ``seventh`` (a second signal ``reward_drop`` waits for: the held-out
-evaluation or the in-group answer diversity, or none), as fixed by ``benchmarks/monitor/seventh-calibration.md``;
+``benchmarks/monitor/RESULTS.md#sixth-calibration``; ``seventh`` (a second signal ``reward_drop`` waits for: the held-out
+evaluation or the in-group answer diversity, or none), as fixed by ``benchmarks/monitor/RESULTS.md#seventh-calibration``;
 ``eighth`` (a critical on the KL to the reference model, or none; then the smallest warning on it that stays
 within 1 warning per 100 healthy iterations of the streams with a reference, :func:`quietest_warning`), as
-fixed by ``benchmarks/monitor/eighth-calibration.md``.
+fixed by ``benchmarks/monitor/RESULTS.md#eighth-calibration``.
 
 Why J and not "no healthy critical, then recall" (the first calibration's rule): on the dev part,
 which since the second calibration holds the stability grid's aggressive-LR runs, the runs at
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                          show(s["median_lead_iterations"]), show(s["healthy_critical"]),
                          f"{s['healthy_alarmed']}/{s['healthy']}", show(s["warnings_per_100_healthy"]), json.dumps(ov)))
     best = ok[0] if ok else None
-    if best and args.grid == "eighth":  # then the warning below that critical (eighth-calibration.md)
+    if best and args.grid == "eighth":  # then the warning below that critical (RESULTS.md#eighth-calibration)
         warning, scores = quietest_warning(streams, best[1])
         for v, s in scores.items():
             print(f"kl_ref_threshold {v:g}: {show(s['warnings_per_100_healthy'])} warnings / 100 healthy iterations "

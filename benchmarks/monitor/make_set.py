@@ -25,11 +25,11 @@ held-out part, every other seed is ``dev``. Each held-out part is read once, the
   default changed (the KL-target LR rule), every stream was trained again, and seeds 45-46 were added
   to every family before the fourth calibration;
 - seeds 45-46 with the fourth (``labelled/labels.jsonl`` now files them under ``dev``, as this
-  module writes them; ``benchmarks/monitor/fifth-calibration.md``); seeds 47-48 were then added to
+  module writes them; ``benchmarks/monitor/RESULTS.md#fifth-calibration``); seeds 47-48 were then added to
   every family, written with ``--seeds 47,48`` to ``labelled-fifth/``;
-- seeds 47-48 with the fifth (``benchmarks/monitor/sixth-calibration.md``); seeds 49-50 were then added
+- seeds 47-48 with the fifth (``benchmarks/monitor/RESULTS.md#sixth-calibration``); seeds 49-50 were then added
   to every family, written with ``--seeds 49,50`` to ``labelled-sixth/``;
-- seeds 49-50 with the sixth (``benchmarks/monitor/seventh-calibration.md``); seeds 51-52 were then added
+- seeds 49-50 with the sixth (``benchmarks/monitor/RESULTS.md#seventh-calibration``); seeds 51-52 were then added
   to every family, trained with ``--set eval.interval=1`` (an evaluation every iteration, joined into the
   streams as ``eval_*`` fields) and written to ``labelled-seventh/``.
 """
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-grid", action="append", default=[], metavar="DIR",
                    help="also label and write every run of this stability-runner output folder (any task, "
                         "difficulty, steps per iteration and model) as held out, family "
-                        "grid-<task><digits>-<steps>step[-<layers>layer][-ref] (benchmarks/monitor/heldout-grids.md; "
+                        "grid-<task><digits>-<steps>step[-<layers>layer][-ref] (benchmarks/monitor/RESULTS.md#heldout-grids; "
                         "-ref: trained with a reference model)")
     p.add_argument("--dev-grid", action="append", default=[], metavar="DIR",
                    help="the same as --heldout-grid, with every run in the dev split (a grid that was read once "

@@ -84,7 +84,7 @@ def control_table(results: list[dict], methods: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the runner's output directory")
+    p.add_argument("--out", required=True, help="the runner's output directory, an export, or FILE#PART")
     p.add_argument("--reference", default="dpcc")
     p.add_argument("--variants", default=None, help="comma list (default: <reference>-* in the folder)")
     p.add_argument("--complete-seeds", action="store_true",

@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--candidate", required=True, help="the candidate's method name in the results (sets included)")
     p.add_argument("--incumbent", default="dpcc")
     p.add_argument("--baseline", default="grpo")
-    p.add_argument("--testbed", action="append", required=True, metavar="NAME=DIR")
+    p.add_argument("--testbed", action="append", required=True, metavar="NAME=DIR",
+                   help="a runner folder, an export, or FILE#PART of a multi-part export")
     p.add_argument("--margin", action="append", default=[], metavar="NAME=VALUE",
                    help="the safe-LR margin of one testbed (default -0.02)")
     p.add_argument("--fewer-collapses-on", action="append", default=[], metavar="NAME")

@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .analyze import _degraded, load_results
+from .analyze import _degraded, load_results, split_part
 
 
 def _by_key(results: list[dict]) -> dict[tuple[str, float, int], dict]:
@@ -85,7 +85,8 @@ def table(rows: list[dict], safe_lr: float) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", action="append", required=True, help="a testbed's runner folder (repeatable)")
+    p.add_argument("--out", action="append", required=True,
+                   help="a testbed's runner folder, export, or FILE#PART of a multi-part export (repeatable)")
     p.add_argument("--candidate", action="append", required=True, metavar="NAME=METHOD",
                    help="a candidate and its method name in the results (variant names include their sets)")
     p.add_argument("--baseline", default="grpo")
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
         if not sep:
             p.error(f"--candidate takes NAME=METHOD, got {item!r}")
         candidates[name] = method
-    testbeds = {Path(o).name: load_results(Path(o))[0] for o in args.out}
+    # a testbed is named by its folder, or by its part of a multi-part export (FILE#PART)
+    testbeds = {split_part(Path(o))[1] or Path(o).name: load_results(Path(o))[0] for o in args.out}
     rows = candidate_rows(testbeds, candidates, args.baseline, args.safe_lr)
     result = select(rows, args.safe_lr, args.collapse_ratio, args.safe_margin, args.tie)
     print("\n".join(table(rows, args.safe_lr)))

@@ -145,12 +145,12 @@ class MonitorConfig:
     """kl_drift warning when the KL to the reference (`kl_ref`, sent only while a reference model exists:
     `loss.ref_kl_coef` > 0) exceeds this for `kl_window` consecutive iterations. 1.0: the smallest value
     tried that kept these warnings under 1 per 100 healthy iterations of the development runs with a
-    reference (benchmarks/monitor/eighth-calibration.md). None disables."""
+    reference (benchmarks/monitor/RESULTS.md#eighth-calibration). None disables."""
     kl_ref_critical_threshold: Optional[float] = None
     """kl_drift is critical when one iteration's KL to the reference (`kl_ref`) exceeds this: the policy
     has drifted far from the model the penalty holds it to. Off by default: no value tried (0.5-4) raised
     the detector's J on the development runs with a reference, since healthy runs drift as far
-    (benchmarks/monitor/eighth-calibration.md). Runs without a reference send no `kl_ref`. None disables."""
+    (benchmarks/monitor/RESULTS.md#eighth-calibration). Runs without a reference send no `kl_ref`. None disables."""
     mismatch_kl_threshold: Optional[float] = None
     """sampler_mismatch warning when mismatch_kl exceeds this (same window); None disables."""
     grad_spike_factor: float = 20.0

@@ -169,7 +169,7 @@ class ControlPolicy:
             return None
         if alert.rule == "kl_drift" and alert.metric == "kl_ref":
             # The KL to the reference is a level that a learning run raises too: a warning on it came after the
-            # first critical of every held-out collapse (benchmarks/monitor/eighth-calibration.md), and an LR cut
+            # first critical of every held-out collapse (benchmarks/monitor/RESULTS.md#eighth-calibration), and an LR cut
             # would repeat every alert_cooldown while it stays high. A notice, not advice.
             return None
         if alert.rule in ("kl_drift", "high_entropy"):

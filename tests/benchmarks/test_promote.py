@@ -47,3 +47,20 @@ def test_a_testbed_margin_and_missing_runs():
     assert decide(rows, {"deep": -0.03}, set())[1]
     with pytest.raises(ValueError, match="no \\(lr, seed\\) finished"):
         summarise_testbed([_r("new", 2e-4, 1), _r("grpo", 2e-4, 1)], "new", "dpcc")
+
+
+def test_the_committed_decision_reads_again_from_the_multi_part_export(capsys):
+    """The decision that made the current default (benchmarks/stability/latched-recovery.md), re-read from
+    the testbeds' parts of its one export (FILE#PART)."""
+    from pathlib import Path
+
+    from benchmarks.stability.promote import main
+
+    export = Path(__file__).resolve().parents[2] / "benchmarks" / "stability" / "latched-recovery.jsonl.xz"
+    assert main(["--candidate", "dpcc[loss.dpcc.lr_scale_init=0.25,loss.dpcc.lr_scale_max_raise=1.25]",
+                 *[a for bed, part in (("onestep", "onestep"), ("addition", "addition"), ("sorting", "sorting3"),
+                                       ("deep", "deep")) for a in ("--testbed", f"{bed}={export}#{part}")],
+                 "--margin", "deep=-0.03", "--fewer-collapses-on", "onestep"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith("decision: the candidate replaces the default")
+    assert all(f"| {bed} |" in out for bed in ("onestep", "addition", "sorting", "deep"))

@@ -58,3 +58,15 @@ def test_ties_go_to_fewer_runs_below_start_then_to_the_first_listed():
 def test_nothing_eligible_leaves_no_choice():
     rows = candidate_rows({"x": _bed(0.2, 0.2, 0.2)}, {"a": "a"}, "grpo", 2e-4)
     assert select(rows, 2e-4, 0.25, -0.03, 0.01) == {"chosen": None, "tied": []}
+
+
+def test_a_testbed_given_as_a_part_of_a_multi_part_export_is_named_by_its_part(tmp_path, capsys):
+    from benchmarks.stability.analyze import write_export
+    from benchmarks.stability.select_dev import main
+
+    rows = [{**r, "part": bed, "reward_base_curve": [0.1]} for bed in ("alpha", "beta")
+            for r in _bed(0.40, 0.45, 0.41)]
+    path = write_export(tmp_path / "dev.jsonl.xz", rows)
+    assert main(["--out", f"{path}#alpha", "--out", f"{path}#beta", "--candidate", "a=a", "--candidate", "b=b"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "Δ alpha 0.0002" in head and "Δ beta 0.0002" in head and "jsonl" not in head
