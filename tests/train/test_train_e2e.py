@@ -92,6 +92,11 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
     assert all(r["kl_probe"] > 0 for r in records)
     assert all(r["kl_step_max"] != r["kl_probe"] for r in records)
     assert {r["optimizer_steps"] for r in records} == {2}
+    for r in records:  # phase timings (train/timing.py); no checkpoint or evaluation ran between records
+        assert r["time_rollout_s"] > 0 and r["time_logprobs_s"] > 0 and r["time_update_s"] > 0
+        assert r["time_eval_s"] == r["time_refit_s"] == 0.0 and r["time_checkpoint_s"] < 0.05  # nothing to finalise
+        assert r["time_rollout_s"] + r["time_logprobs_s"] + r["time_update_s"] <= r["seconds"] + 1e-6
+        assert r["peak_device_memory_gib"] is None and r["host_peak_rss_gib"] > 0
 
 
 def test_resume_is_exact(tmp_path):
@@ -112,6 +117,8 @@ def test_resume_is_exact(tmp_path):
     a = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in b] == [2, 3]
+    # the save at the end of iteration 1 shows in iteration 2's record, and only there
+    assert [r["time_checkpoint_s"] > 0.05 for r in a] == [False, False, True, False]
     for ra, rb in zip(a[2:], b):
         for k in keys:
             assert abs(ra[k] - rb[k]) <= 1e-6, (k, ra["iteration"], ra[k], rb[k])
