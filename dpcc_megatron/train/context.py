@@ -146,7 +146,7 @@ class RunContext:
     def can_roll_back(self) -> bool:
         """Whether a confirmed collapse can roll this run back (control acting, rollback on, checkpoints)."""
         m = self.cfg.monitor
-        return bool(self.cfg.checkpoint.dir) and m.control_active and m.rollback_on_collapse
+        return bool(self.cfg.checkpoint.dir) and m.acts_on("rollback") and m.rollback_on_collapse
 
     def rollback_target(self) -> Optional[int]:
         """The iteration whose checkpoint retention keeps for a rollback (rank 0's local detector); None
@@ -270,9 +270,12 @@ class RunContext:
                 self.monitor.send(record)
                 got = self.sidecar_advice.answer(self.monitor, record["iteration"], got)
                 self.counters["advice_fallbacks"] = self.sidecar_advice.fallbacks
-            if got is not None and got.action != "none" and self.cfg.monitor.control_active:
+            if got is not None and self.cfg.monitor.acts_on(got.action):
                 advice = (got.action, float(got.factor), got.to_iteration)
                 print(f"[dpcc] control advice: {got.action} ({got.reason})", flush=True)
+            elif got is not None and got.action != "none" and self.cfg.monitor.control_active:
+                print(f"[dpcc] control advice not acted on (monitor.act_on: {self.cfg.monitor.act_on}): "
+                      f"{got.action} ({got.reason})", flush=True)
         if dist.is_initialized() and self.world > 1:
             box = [advice]
             dist.broadcast_object_list(box, src=0)
