@@ -188,6 +188,21 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     return final
 
 
+def remove_interrupted_saves(root: str | Path) -> list[str]:
+    """Rank 0, at the start of a run: the ``.tmp_iter_*`` directories of saves that never finished
+    (the process died mid-write) go to the trash and are deleted in the background, with any
+    ``.trash_*`` a killed process left. Returns the names removed. Nothing of this run is in flight
+    yet, so none of them can be a save still being written."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.glob(".tmp_iter_*") if p.is_dir())
+    for p in stale:
+        _to_trash(p)
+    _delete_in_background(root)
+    return [p.name for p in stale]
+
+
 def load_local_state(path: str | Path) -> dict:
     """This rank's ``local_state`` of the checkpoint at ``path``; a missing or unreadable file is an
     error, never a silent fresh start (the saving run wrote one for every rank)."""

@@ -115,7 +115,10 @@ class RunContext:
         """Collective checkpoint of this iteration; ``weights_only`` before the first optimizer step."""
         from ..megatron.checkpoint import save_checkpoint
 
+        from .loading import run_identity
+
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
+                 "run": run_identity(self.cfg),
                  "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
                  "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
                  "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
@@ -172,16 +175,19 @@ class RunContext:
         from .trainer_totals import total_optimizer_steps
 
         ck = self.cfg.checkpoint
+        self._sweep_checkpoint_dir()
         path = latest_checkpoint(ck.dir) if (ck.dir and ck.resume != "never") else None
         if path is None:
             if ck.resume == "required":
                 raise FileNotFoundError(f"checkpoint.resume is 'required' but {ck.dir} has no checkpoint "
                                         "(set checkpoint.resume=auto to start fresh)")
             return 0
+        self._check_same_run(path)
         self.build_rl_optimizer(total_optimizer_steps(self.cfg))
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
-                                extra=self._reference_in(path))
+        with self._loading("resuming from", path):
+            state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                    extra=self._reference_in(path))
         self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         self.dataset.load_state_dict(state["dataset"])
@@ -198,6 +204,51 @@ class RunContext:
         if self.rank == 0:
             print(f"[dpcc] resumed from {path} at iteration {state['iteration']}", flush=True)
         return int(state["iteration"])
+
+    def log0(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def _loading(self, what: str, path):
+        """Context: the load of ``path`` announced (what it holds, this job's layout) with progress (rank 0)."""
+        from .loading import announce
+
+        return announce(what, path, self.cfg, self.dp, self.rank)
+
+    def _sweep_checkpoint_dir(self) -> None:
+        """Rank 0: remove saves an interrupted run left half-written; say what checkpoint.dir holds when
+        this run starts afresh over another run's checkpoints."""
+        from ..megatron.checkpoint import latest_checkpoint, remove_interrupted_saves
+
+        ck = self.cfg.checkpoint
+        if not ck.dir or self.rank != 0:
+            return
+        for name in remove_interrupted_saves(ck.dir):
+            print(f"[dpcc] removed {Path(ck.dir) / name}: a save that never finished (the run writing it "
+                  f"was interrupted)", flush=True)
+        if ck.resume == "never" and (Path(ck.dir) / "latest").is_file():
+            it = json.loads((latest_checkpoint(ck.dir) / "trainer_state.json").read_text()).get("iteration")
+            print(f"[dpcc] WARNING: {ck.dir} holds another run's checkpoints (latest: iteration {it}); "
+                  f"checkpoint.resume=never starts afresh, and this run's saves replace `latest` and retire "
+                  f"those checkpoints (checkpoint.keep_last)", flush=True)
+
+    def _check_same_run(self, path: Path) -> None:
+        """Refuse to resume a checkpoint of an unrelated or later run, saying so plainly (every rank
+        reads the same file, so every rank raises)."""
+        from ..megatron.checkpoint import CheckpointError
+        from .loading import identity_problems
+
+        try:
+            saved = json.loads((path / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}/trainer_state.json is unreadable: {e}") from None
+        errors, notes = identity_problems(saved, self.cfg)
+        if errors:
+            raise CheckpointError(f"checkpoint.dir {self.cfg.checkpoint.dir} cannot be resumed by this run: its "
+                                  f"latest checkpoint {path.name} " + "; ".join(errors)
+                                  + ". Use another checkpoint.dir for a new run.")
+        for note in notes:
+            self.log0(f"[dpcc] note: resuming {path}: {note}")
 
     def _reference_in(self, path: Path):
         """The reference to restore from the checkpoint at ``path``: ours when it saved one. A checkpoint
@@ -300,8 +351,9 @@ class RunContext:
             return None
         path = root / f"iter_{eligible[-1]:07d}"
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
-                                extra=self._reference_in(path))
+        with self._loading("rolling back to", path):
+            state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                    extra=self._reference_in(path))
         self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         if self.detector is not None and state.get("detector"):
@@ -370,18 +422,27 @@ def setup_run(cfg: JobConfig) -> RunContext:
     prompts, eval_prompts = _load_data(cfg, set(reward.base_layer.tasks))
     dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
+    from .loading import announce
+
     load_fn = None
     if cfg.checkpoint.load:
         from ..convert import load_mcore_checkpoint
 
-        load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)  # noqa: E731
+        def load_fn(chunks):
+            with announce("loading checkpoint.load", cfg.checkpoint.load, cfg, dp, dist.get_rank()):
+                load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
     reference = None
     if cfg.loss.ref_kl_coef > 0:
+        from contextlib import nullcontext
+
         from ..megatron.reference import ReferencePolicy
 
-        reference = ReferencePolicy.build(chunks, cfg.model, cfg.parallel, cfg.precision,
-                                          path=cfg.loss.ref_model_path, offload=cfg.loss.ref_offload)
+        path = cfg.loss.ref_model_path
+        with (announce("loading the reference (loss.ref_model_path)", path, cfg, dp, dist.get_rank()) if path
+              else nullcontext()):
+            reference = ReferencePolicy.build(chunks, cfg.model, cfg.parallel, cfg.precision,
+                                              path=path, offload=cfg.loss.ref_offload)
 
     rank = dist.get_rank()
     if rank == 0:

@@ -8,6 +8,7 @@ below check their results.
 """
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -233,12 +234,34 @@ def _verify(hf, mc, *extra):
 
 
 def test_verify_passes_for_a_faithful_conversion(work):
-    rc, out = _verify(work["hf"]["qwen2"], work["mc"]["qwen2"], "--tp", "2")
+    rc, out = _verify(work["hf"]["qwen2"], work["mc"]["qwen2"], "--tp", "2", "--params-dtype", "fp32")
     assert rc == 0, out
     report = json.loads(out.strip().splitlines()[-1])
     assert report["ok"] and report["tp"] == 2
     assert report["max_abs_logit_diff"] < 1e-4 and report["max_abs_logprob_diff"] < 1e-4
     assert "max |logit diff|" in out and "PASS" in out
+
+
+def test_verify_runs_in_the_models_own_dtype_and_says_what_memory_it_needs(work):
+    from dpcc_megatron.convert.verify_memory import PROCESS_OVERHEAD_BYTES, memory_need
+    from dpcc_megatron.config import load_config
+
+    # qwen2 was built and converted in bf16: that is the default, for both models
+    proc = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "convert", "verify", "--hf",
+                           str(work["hf"]["qwen2"]), "--mcore", str(work["mc"]["qwen2"]), "--tp", "2",
+                           "--memory-only"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    need = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert need["dtype"] == "bf16" and need["ranks"] == 2
+    assert "verify needs about" in proc.stderr and "(estimate)" in proc.stderr
+    assert need["megatron_phase_bytes"] > 2 * need["params"] * 2 and need["hf_phase_bytes"] > need["params"] * 2
+    # Llama-3-70B in its own bf16 on 16 ranks: ~2 x 141 GB while the ranks load, the HF model alone after
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "llama3_70b.yaml").model
+    bf16, fp32 = memory_need(cfg, "bf16", 8, 2, 2, 32), memory_need(cfg, "fp32", 8, 2, 2, 32)
+    assert 70.5e9 < bf16["params"] < 71.5e9
+    assert bf16["bytes"] == bf16["megatron_phase_bytes"] and 2 * fp32["params"] * 4 < fp32["bytes"]
+    assert bf16["bytes"] - 4 * bf16["params"] < 16 * PROCESS_OVERHEAD_BYTES + (1 << 30)
+    assert fp32["bytes"] > 1.9 * bf16["bytes"]
 
 
 def test_verify_fails_when_a_weight_was_corrupted(work):

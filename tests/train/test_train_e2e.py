@@ -99,8 +99,9 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
         assert r["peak_device_memory_gib"] is None and r["host_peak_rss_gib"] > 0
 
 
-def test_resume_is_exact(tmp_path):
-    """2N iterations == N iterations, stop, resume, N more (per-iteration losses and rewards)."""
+def test_resume_is_exact(tmp_path, capfd):
+    """2N iterations == N iterations, stop, resume, N more (per-iteration losses and rewards); the resume
+    says what it loads, and a save the first part left half-written is removed."""
     keys = ("pg_loss", "reward_mean", "kl_old_new", "entropy", "tau", "lr_factor")
     common = {"train.iterations": 4, "checkpoint.save_interval": 2, "checkpoint.keep_last": 2,
               "rollout.temperature": 1.0}
@@ -111,7 +112,15 @@ def test_resume_is_exact(tmp_path):
     (first, _), = run_multirank(_run_rank, 1, args=(str(split), over), timeout=300)
     assert first["iterations"] == 2 and "exit_interval" in first["stop_reason"]
     assert (split / "ck" / "latest").read_text().strip() == "iter_0000002"
+    (split / "ck" / ".tmp_iter_0000003").mkdir()  # as a run killed mid-save leaves it
+    capfd.readouterr()
     (second, _), = run_multirank(_run_rank, 1, args=(str(split), over), timeout=300)
+    said = capfd.readouterr().out
+    assert f"[dpcc] removed {split / 'ck' / '.tmp_iter_0000003'}: a save that never finished" in said
+    assert not (split / "ck" / ".tmp_iter_0000003").exists()
+    assert (f"[dpcc] resuming from {split / 'ck' / 'iter_0000002'}: training checkpoint of iteration 2, saved at "
+            "TP1 PP1 DP1, no distributed optimizer;") in said and "; this job: TP1 PP1 DP1" in said
+    assert f"[dpcc] loaded {split / 'ck' / 'iter_0000002'} in " in said
     assert second["iterations"] == 4 and second["stop_reason"] == "completed"
 
     a = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
