@@ -2,12 +2,16 @@
 logit parity check.
 
     dpcc-megatron convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M] [--dtype bf16|fp16|fp32] [--overwrite]
-    dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--overwrite]
-    dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--overwrite]
+    dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--hf-config F]
+        [--tokenizer DIR] [--overwrite]
+    dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--hf-config F] [--tokenizer DIR] [--overwrite]
     dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M] [--atol X] [--params-dtype D] [--memory-only]
 
 Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory. NeMo 2
 checkpoints need no conversion to train from: `checkpoint.load` reads them directly.
+Exports of a training checkpoint write the source model's config.json, tokenizer and
+generation_config.json when the run started from a converted checkpoint (the trainer carries them in
+every checkpoint); the output names, as "missing:" lines and in its JSON, whatever it had to do without.
 `verify` starts TP*PP ranks itself and ends with one JSON line; it exits 1 above tolerance. Both
 models run in the checkpoint's own dtype unless --params-dtype says otherwise, and the host memory
 that needs is printed before anything loads (--memory-only prints just that).
@@ -60,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--mcore", required=True, metavar="DIR",
                    help="converted checkpoint, a training checkpoint iter_*/ or its root (follows `latest`)")
     p.add_argument("--out", required=True, metavar="DIR", help="output NeMo 2 checkpoint directory")
+    p.add_argument("--hf-config", default=None, metavar="config.json",
+                   help="source model's config.json to keep beside the tokenizer (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="copy tokenizer files from here to context/nemo_tokenizer (default: the checkpoint's tokenizer/)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="saved dtype (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
             from ..convert.mcore_to_nemo import mcore_to_nemo
 
             summary = mcore_to_nemo(args.mcore, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                                    progress=not args.no_progress, log=log)
+                                    progress=not args.no_progress, log=log, hf_config=args.hf_config,
+                                    tokenizer=args.tokenizer)
             print(json.dumps(summary, sort_keys=True))
             return 0
         from ..convert.verify import format_report, verify

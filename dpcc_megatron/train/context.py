@@ -117,8 +117,11 @@ class RunContext:
 
         from .loading import run_identity
 
+        from ..convert.provenance import carried_from, copy_carried
+
+        source, files = carried_from(self.cfg.checkpoint.load, self.cfg.data.tokenizer)
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
-                 "run": run_identity(self.cfg),
+                 "run": run_identity(self.cfg), "source": source,
                  "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
                  "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
                  "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
@@ -130,7 +133,8 @@ class RunContext:
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks,
                                None if weights_only else self.optimizer, self.scheduler,
                                state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
-                               extra=self.reference, async_queue=self.ckpt_queue, protect=self.rollback_target())
+                               extra=self.reference, async_queue=self.ckpt_queue, protect=self.rollback_target(),
+                               add_files=lambda d: copy_carried(files, d))
         if self.rank == 0:
             how = "started writing" if self.ckpt_queue is not None else "saved"
             print(f"[dpcc] {how} checkpoint {path}", flush=True)

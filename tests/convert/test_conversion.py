@@ -58,6 +58,7 @@ def _forwards(rank, world, cases, tokens, ckpt, trained):
     out.update(try_loads({"mismatch": (ckpt, narrow, None),
                           "one_rank": (ckpt, cfg, dataclasses.replace(cfg, vocab_size=99) if rank else None)}, tp2))
     resave(ckpt, cfg, tp2, trained, 3)
+    resave(ckpt, cfg, tp2, trained + "_carry", 4, carry=True)
     out["vpp"] = vpp_mismatches(cfg, ckpt)
     return out
 
@@ -109,8 +110,13 @@ def work(tmp_path_factory):
     cases = {(f, tp, pp): (str(mc[f]), tp, pp) for f in FAMILIES for tp, pp in LAYOUTS}
     cases[("bin", 1, 1)] = (str(root / "bin_mc"), 1, 1)
     ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, str(mc["llama"]), str(root / "trained")), timeout=600)
-    export = ["convert", "mcore-to-hf", "--mcore", str(root / "trained"), "--out", str(root / "trained_hf")]
-    (results["trained"],) = run_multirank(_conversions, 1, args=({"trained": export},), timeout=300)
+    exports = {"trained": ["convert", "mcore-to-hf", "--mcore", str(root / "trained"), "--out", str(root / "trained_hf")],
+               "carried": ["convert", "mcore-to-hf", "--mcore", str(root / "trained_carry"), "--out",
+                           str(root / "carried_hf")],
+               "carried_nemo": ["convert", "mcore-to-nemo", "--mcore", str(root / "trained_carry"), "--out",
+                                str(root / "carried_nemo"), "--no-progress"]}
+    (exported,) = run_multirank(_conversions, 1, args=(exports,), timeout=300)
+    results.update(exported)
     return {"root": root, "hf": hf, "mc": mc, "results": results, "ranks": ranks}
 
 
@@ -147,7 +153,7 @@ def test_bin_checkpoint_converts_like_safetensors(work):
 def test_training_checkpoint_exports_to_hf(work):
     """The trainer's checkpoint (saved at TP=2, padded vocabulary 256, no hf_config.json or
     tokenizer) exports bit-identically, with a generated config.json transformers loads."""
-    rc, out, err = work["results"]["trained"]["trained"]
+    rc, out, err = work["results"]["trained"]
     assert rc == 0, err[-3000:]
     trained_hf = work["root"] / "trained_hf"
     a, b = read_tensors(work["hf"]["llama"]), read_tensors(trained_hf)
@@ -155,6 +161,44 @@ def test_training_checkpoint_exports_to_hf(work):
     config = json.loads((trained_hf / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_parameters"]["rope_type"] == "llama3"
     assert torch.equal(hf_logits(trained_hf, TOKENS), hf_logits(work["hf"]["llama"], TOKENS))
+
+
+def test_training_checkpoint_without_source_files_says_what_the_export_lacks(work):
+    rc, out, err = work["results"]["trained"]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["config_from"] == "generated from the model config" and len(summary["missing"]) == 3
+    assert summary["missing"][0].startswith("the source model's config.json: config.json was generated from the "
+                                            "model config (no bos/eos token ids, max_position_embeddings = "
+                                            "model.max_seq_len = ")
+    assert "--tokenizer DIR" in summary["missing"][1] and summary["missing"][2].startswith("generation_config.json")
+    assert err.count("missing: ") == 3
+
+
+def test_a_run_started_from_a_converted_checkpoint_exports_the_source_models_files(work):
+    """The trainer's checkpoint carries hf_config.json, the tokenizer and generation_config.json of the
+    HF model it started from; mcore-to-hf and mcore-to-nemo write them back out and miss nothing."""
+    root, src = work["root"], work["hf"]["llama"]
+    state = json.loads((root / "trained_carry" / "iter_0000004" / "trainer_state.json").read_text())
+    assert state["source"]["type"] == "huggingface" and state["source"]["path"] == str(src.resolve())
+    assert state["source"]["checkpoint_load"] == str(work["mc"]["llama"])
+    rc, out, err = work["results"]["carried"]
+    assert rc == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["missing"] == [] and "missing:" not in err
+    assert summary["config_from"] == "the checkpoint's hf_config.json"
+    exported = root / "carried_hf"
+    original, written = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")} == \
+        {k: v for k, v in original.items() if k not in ("dtype", "torch_dtype")}
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (exported / name).read_bytes() == (src / name).read_bytes(), name
+    rc, out, err = work["results"]["carried_nemo"]
+    assert rc == 0, err[-3000:]
+    nemo = json.loads(out.strip().splitlines()[-1])
+    assert nemo["missing"] == [] and set(nemo["tokenizer_files"]) >= {"tokenizer.json", "generation_config.json",
+                                                                      "config.json"}
+    kept = root / "carried_nemo" / "context" / "nemo_tokenizer"
+    assert json.loads((kept / "config.json").read_text()) == original
 
 
 def test_llama3_rope_frequencies_match_hf(work):
