@@ -29,6 +29,10 @@ def memory_need(cfg, params_dtype: str, tp: int, pp: int, batch: int, seq_len: i
 def describe_need(need: dict) -> str:
     gib = float(1 << 30)
     return (f"verify needs about {need['bytes'] / gib:.1f} GiB of host memory (estimate): "
-            f"{need['params'] / 1e9:.2f}B params in {need['dtype']}; the {need['ranks']} Megatron rank(s) "
+            f"{_count(need['params'])} params in {need['dtype']}; the {need['ranks']} Megatron rank(s) "
             f"{need['megatron_phase_bytes'] / gib:.1f} GiB while loading, then the HF model "
             f"{need['hf_phase_bytes'] / gib:.1f} GiB (never both at once)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
