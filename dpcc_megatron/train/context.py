@@ -222,7 +222,7 @@ class RunContext:
     def _sweep_checkpoint_dir(self) -> None:
         """Rank 0: remove saves an interrupted run left half-written; say what checkpoint.dir holds when
         this run starts afresh over another run's checkpoints."""
-        from ..megatron.checkpoint import latest_checkpoint, remove_interrupted_saves
+        from ..megatron.checkpoint import CheckpointError, latest_checkpoint, remove_interrupted_saves
 
         ck = self.cfg.checkpoint
         if not ck.dir or self.rank != 0:
@@ -231,7 +231,10 @@ class RunContext:
             print(f"[dpcc] removed {Path(ck.dir) / name}: a save that never finished (the run writing it "
                   f"was interrupted)", flush=True)
         if ck.resume == "never" and (Path(ck.dir) / "latest").is_file():
-            it = json.loads((latest_checkpoint(ck.dir) / "trainer_state.json").read_text()).get("iteration")
+            try:
+                it = json.loads((latest_checkpoint(ck.dir) / "trainer_state.json").read_text()).get("iteration")
+            except (CheckpointError, OSError, ValueError) as e:  # this run starts afresh either way
+                it = f"unknown: {e}"
             print(f"[dpcc] WARNING: {ck.dir} holds another run's checkpoints (latest: iteration {it}); "
                   f"checkpoint.resume=never starts afresh, and this run's saves replace `latest` and retire "
                   f"those checkpoints (checkpoint.keep_last)", flush=True)

@@ -100,3 +100,31 @@ def test_announce_resolves_a_checkpoint_root_and_stays_quiet_off_rank_0(tmp_path
     assert out[1].startswith(f"[dpcc] loaded {it} in ")
     assert out[2].startswith(f"[dpcc] loading checkpoint.load {tmp_path / 'absent'}: Megatron-Core checkpoint")
     assert len(out) == 4
+
+
+def _ctx(overrides):
+    from dpcc_megatron.train.context import RunContext
+
+    ctx = object.__new__(RunContext)
+    ctx.cfg, ctx.rank = load_config(overrides=overrides), 0
+    return ctx
+
+
+def test_starting_into_a_directory_of_another_run_says_so(tmp_path, capsys):
+    import pytest
+
+    from dpcc_megatron.megatron.checkpoint import CheckpointError
+
+    ck = tmp_path / "ck"
+    _training_ckpt(ck / "iter_0000030", 30)
+    (ck / "latest").write_text("iter_0000030\n")
+    (ck / ".tmp_iter_0000031").mkdir()
+    _ctx([f"checkpoint.dir={ck}", "checkpoint.resume=never"])._sweep_checkpoint_dir()
+    out = capsys.readouterr().out
+    assert f"[dpcc] removed {ck / '.tmp_iter_0000031'}: a save that never finished" in out
+    assert (f"[dpcc] WARNING: {ck} holds another run's checkpoints (latest: iteration 30); checkpoint.resume=never "
+            "starts afresh, and this run's saves replace `latest` and retire those checkpoints") in out
+    with pytest.raises(CheckpointError, match=r"cannot be resumed by this run: its latest checkpoint iter_0000030 it "
+                                              r"holds a later run: iteration 30, past this run's train.iterations=20"):
+        _ctx([f"checkpoint.dir={ck}", "train.iterations=20"])._check_same_run(ck / "iter_0000030")
+    wait_for_deletions(timeout=30)
