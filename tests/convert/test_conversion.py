@@ -291,13 +291,12 @@ def test_verify_runs_in_the_models_own_dtype_and_says_what_memory_it_needs(work)
     from dpcc_megatron.config import load_config
 
     # qwen2 was built and converted in bf16: that is the default, for both models
-    proc = subprocess.run([sys.executable, "-m", "dpcc_megatron.cli", "convert", "verify", "--hf",
-                           str(work["hf"]["qwen2"]), "--mcore", str(work["mc"]["qwen2"]), "--tp", "2",
-                           "--memory-only"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    need = json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = run_cli(["convert", "verify", "--hf", str(work["hf"]["qwen2"]), "--mcore", str(work["mc"]["qwen2"]),
+                            "--tp", "2", "--memory-only"])  # in this process: nothing is loaded or started
+    assert rc == 0, err
+    need = json.loads(out.strip().splitlines()[-1])
     assert need["dtype"] == "bf16" and need["ranks"] == 2
-    assert "verify needs about" in proc.stderr and "(estimate)" in proc.stderr
+    assert "verify needs about" in err and "(estimate)" in err
     assert need["megatron_phase_bytes"] > 2 * need["params"] * 2 and need["hf_phase_bytes"] > need["params"] * 2
     # Llama-3-70B in its own bf16 on 16 ranks: ~2 x 141 GB while the ranks load, the HF model alone after
     cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "llama3_70b.yaml").model
