@@ -2,13 +2,19 @@
 logit parity check.
 
     dpcc-megatron convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M] [--dtype bf16|fp16|fp32] [--overwrite]
-    dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--overwrite]
-    dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--overwrite]
-    dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M] [--atol X]
+    dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--hf-config F]
+        [--tokenizer DIR] [--overwrite]
+    dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--hf-config F] [--tokenizer DIR] [--overwrite]
+    dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M] [--atol X] [--params-dtype D] [--memory-only]
 
 Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory. NeMo 2
 checkpoints need no conversion to train from: `checkpoint.load` reads them directly.
-`verify` starts TP*PP ranks itself and ends with one JSON line; it exits 1 above tolerance.
+Exports of a training checkpoint write the source model's config.json, tokenizer and
+generation_config.json when the run started from a converted checkpoint (the trainer carries them in
+every checkpoint); the output names, as "missing:" lines and in its JSON, whatever it had to do without.
+`verify` starts TP*PP ranks itself and ends with one JSON line; it exits 1 above tolerance. Both
+models run in the checkpoint's own dtype unless --params-dtype says otherwise, and the host memory
+that needs is printed before anything loads (--memory-only prints just that).
 """
 from __future__ import annotations
 
@@ -58,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--mcore", required=True, metavar="DIR",
                    help="converted checkpoint, a training checkpoint iter_*/ or its root (follows `latest`)")
     p.add_argument("--out", required=True, metavar="DIR", help="output NeMo 2 checkpoint directory")
+    p.add_argument("--hf-config", default=None, metavar="config.json",
+                   help="source model's config.json to keep beside the tokenizer (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="copy tokenizer files from here to context/nemo_tokenizer (default: the checkpoint's tokenizer/)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="saved dtype (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,7 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=None,
                    help="fail above this max |logit diff| or |log-prob diff| (default 1e-3 at fp32, 0.5 bf16, 0.25 fp16)")
-    p.add_argument("--params-dtype", choices=_DTYPES, default="fp32", help="Megatron model precision")
+    p.add_argument("--params-dtype", choices=_DTYPES, default=None,
+                   help="precision of both models (default: the dtype the Megatron checkpoint stores)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="print the host memory verify needs (an estimate) as one JSON line, run nothing")
     p.add_argument("--transformer-engine", action="store_true", help="build the Megatron model with the TE spec (GPU)")
     p.add_argument("--hf-device", default="cpu", help="device for the HF reference forward")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
@@ -108,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
             from ..convert.mcore_to_nemo import mcore_to_nemo
 
             summary = mcore_to_nemo(args.mcore, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                                    progress=not args.no_progress, log=log)
+                                    progress=not args.no_progress, log=log, hf_config=args.hf_config,
+                                    tokenizer=args.tokenizer)
             print(json.dumps(summary, sort_keys=True))
             return 0
         from ..convert.verify import format_report, verify
@@ -116,7 +130,10 @@ def main(args: argparse.Namespace) -> int:
         report = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len,
                         seed=args.seed, atol=args.atol, params_dtype=args.params_dtype,
                         transformer_engine=args.transformer_engine, hf_device=args.hf_device,
-                        timeout=args.timeout, log=log)
+                        timeout=args.timeout, log=log, memory_only=args.memory_only)
+        if args.memory_only:
+            print(json.dumps({**report, "gib": round(report["bytes"] / float(1 << 30), 2)}, sort_keys=True))
+            return 0
         print(format_report(report), flush=True)
         return 0 if report["ok"] else 1
     except ConversionError as e:

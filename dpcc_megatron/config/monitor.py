@@ -19,6 +19,11 @@ REWARD_DROP_CONFIRMS = (None, "eval", "diversity")
 REWARD_DROP_EVAL_FIELDS = ("eval_reward_greedy", "eval_reward_sampled")
 
 
+ACT_ON = ("all", "confirmed", "none")
+CONFIRMED_ACTIONS = ("rollback", "checkpoint_and_pause")
+"""The advice a confirmed collapse gives (monitor/alerts.py ControlPolicy); reduce_lr comes from single alerts."""
+
+
 def parse_hostport(value: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(host, port)``; ``[::1]:80`` style IPv6 is accepted."""
     if not isinstance(value, str) or ":" not in value:
@@ -219,6 +224,14 @@ class MonitorConfig:
     """Derive control advice from alerts and act on it. None (default): follow `enabled`, so a run with
     the monitor off gets no advice; true/false: on/off explicitly (true with `enabled: false` acts on the
     rank-0 local detector's advice)."""
+    act_on: str = "all"
+    """Which advice the trainer acts on (with control active; the sidecar and the local detector advise
+    either way, and every alert still reaches the log, the JSONL file and the webhook). "all": reduce_lr,
+    rollback and checkpoint_and_pause. "confirmed": only a confirmed collapse's rollback or
+    checkpoint_and_pause; reduce_lr advice is logged, not applied. "none": advise only; each advice is
+    logged as not acted on, and the run neither rolls back nor keeps checkpoints for a rollback.
+    The shipped 7B/70B/123B examples set "none": the thresholds were calibrated on 2-4-layer CPU models
+    (docs/monitor.md, "Acting at scale")."""
     advice_wait_s: float = 10.0
     """The trainer waits up to this long, after sending iteration i's record, for the sidecar to
     acknowledge it, so advice about iteration i is always applied before iteration i+1 (runs are
@@ -251,6 +264,12 @@ class MonitorConfig:
     pause_on_collapse: bool = True
     """A confirmed collapse without rollback (disabled or no healthy iteration) advises checkpoint_and_pause."""
 
+    def acts_on(self, action: str) -> bool:
+        """Whether the trainer carries out ``action`` (an advice's action) under ``act_on``."""
+        if not self.control_active or action == "none" or self.act_on == "none":
+            return False
+        return self.act_on == "all" or action in CONFIRMED_ACTIONS
+
     @property
     def control_active(self) -> bool:
         """Whether control advice is derived and acted on (control_enabled, else enabled)."""
@@ -275,6 +294,7 @@ class MonitorConfig:
         check(self.control_poll_interval_s > 0, "control_poll_interval_s",
               f"must be > 0, got {self.control_poll_interval_s}")
         check(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0, got {self.request_timeout_s}")
+        check(self.act_on in ACT_ON, "act_on", f"must be one of {', '.join(ACT_ON)}, got {self.act_on!r}")
         check(self.advice_wait_s >= 0, "advice_wait_s", f"must be >= 0, got {self.advice_wait_s}")
         check(self.lr_recovery_iterations >= 0, "lr_recovery_iterations",
               f"must be >= 0, got {self.lr_recovery_iterations}")

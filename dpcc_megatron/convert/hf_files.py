@@ -168,3 +168,41 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
             shutil.copy2(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+def fill_token_ids(config: dict, out_dir: Path) -> list[str]:
+    """Give a generated ``config`` the bos/eos token ids it lacks from ``out_dir``'s
+    generation_config.json (copied with the tokenizer); returns the keys filled."""
+    gen = out_dir / "generation_config.json"
+    if not gen.is_file():
+        return []
+    try:
+        values = json.loads(gen.read_text())
+    except json.JSONDecodeError:
+        return []
+    filled = []
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is None and values.get(key) is not None:
+            config[key] = values[key]
+            filled.append(key)
+    return filled
+
+
+def missing_export_files(config_from: Optional[str], copied: list[str], cfg, filled: list[str]) -> list[str]:
+    """What an exported HF directory lacks that a user of it expects, one phrase each (empty: nothing).
+
+    ``config_from``: where config.json came from (None: generated from the model config);
+    ``copied``: the tokenizer files written; ``filled``: token-id keys a generated config took from
+    generation_config.json."""
+    missing = []
+    if config_from is None:
+        ids = "bos/eos token ids from generation_config.json" if filled else "no bos/eos token ids"
+        missing.append(f"the source model's config.json: config.json was generated from the model config ({ids}, "
+                       f"max_position_embeddings = model.max_seq_len = {cfg.max_seq_len}); pass --hf-config "
+                       "config.json of the model the run started from")
+    if not any(name in copied for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        missing.append("tokenizer files: pass --tokenizer DIR (the source model's or data.tokenizer's directory)")
+    if "generation_config.json" not in copied:
+        missing.append("generation_config.json (sampling defaults and the eos ids chat models stop on): put it in "
+                       "the --tokenizer directory")
+    return missing

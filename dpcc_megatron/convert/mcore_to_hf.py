@@ -14,7 +14,8 @@ import torch
 
 from .errors import ConversionError
 from .hf_config import architecture, hf_config_from_model, model_config_from_hf, with_dtype
-from .hf_files import SafetensorsStreamWriter, copy_tokenizer_files, plan_shards
+from .hf_files import (SafetensorsStreamWriter, copy_tokenizer_files, fill_token_ids, missing_export_files,
+                       plan_shards)
 from .layout import all_hf_shapes, canonical_to_hf, hf_shapes
 from .compat import architecture_of
 from .mcore_format import (DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, output_dtype, read_checkpoint_info,
@@ -26,6 +27,8 @@ from .tensors import checked_cast
 
 def _hf_config(path: Path, cfg, dtype_name: str, hf_config: Optional[Path]) -> dict:
     src = hf_config or (path / HF_CONFIG_FILE)
+    if hf_config is not None and not src.is_file():
+        raise ConversionError(f"--hf-config {src} is not a file")
     if not src.is_file():
         return hf_config_from_model(cfg, dtype_name)
     try:
@@ -96,9 +99,26 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str] 
                          "weight_map": {name: file for name, (_, file) in file_of.items()}}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
             config["architectures"] = [arch]
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
             tok_src = Path(tokenizer) if tokenizer else path / TOKENIZER_DIR
+            if tokenizer and not tok_src.is_dir():
+                raise ConversionError(f"--tokenizer {tok_src} is not a directory")
             copied = copy_tokenizer_files(tok_src, tmp) if tok_src.is_dir() else []
+            config_from = str(hf_config) if hf_config else (
+                "the checkpoint's hf_config.json" if (path / HF_CONFIG_FILE).is_file() else None)
+            filled = fill_token_ids(config, tmp) if config_from is None else []
+            missing = missing_export_files(config_from, copied, cfg, filled)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for line in missing:
+        log(f"missing: {line}")
     info = read_checkpoint_info(path)
     return {"out": str(out), "architecture": arch, "dtype": dtype_name, "shards": len(shards),
-            "tokenizer_files": copied, "source": info.get("source", {})}
+            "tokenizer_files": copied, "config_from": config_from or "generated from the model config",
+            "missing": missing, "source": info.get("source") or _training_source(path)}
+
+
+def _training_source(path: Path) -> dict:
+    """A training checkpoint's recorded source (trainer_state.json ``source``), or {}."""
+    try:
+        return json.loads((path / "trainer_state.json").read_text()).get("source") or {}
+    except (OSError, json.JSONDecodeError):
+        return {}

@@ -30,8 +30,14 @@ from .tensors import checked_cast
 
 
 def mcore_to_nemo(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str] = None, overwrite: bool = False,
-                  progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Convert; returns a summary. Raises ConversionError for anything it cannot write exactly."""
+                  progress: bool = True, log: Callable[[str], None] = print, hf_config: Optional[str | Path] = None,
+                  tokenizer: Optional[str | Path] = None) -> dict:
+    """Convert; returns a summary. Raises ConversionError for anything it cannot write exactly.
+
+    The source model's files the checkpoint carries (or ``hf_config`` / ``tokenizer`` name) go to
+    ``context/nemo_tokenizer/`` (tokenizer files, generation_config.json, config.json), where NeMo's
+    own HF import keeps its tokenizer; ``io.json`` names no tokenizer, so NeMo builds the model
+    without one unless given ``AutoTokenizer("<out>/context/nemo_tokenizer")``."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -76,5 +82,37 @@ def mcore_to_nemo(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str
             (tmp / CONTEXT_DIR).mkdir()
             (tmp / CONTEXT_DIR / MODEL_YAML).write_text(model_yaml(cfg))
             (tmp / CONTEXT_DIR / IO_JSON).write_text(io_json(cfg))
+            copied, missing = _source_files(path, tmp / CONTEXT_DIR / TOKENIZER_SUBDIR, cfg, hf_config, tokenizer)
+    for line in missing:
+        log(f"missing: {line}")
     return {"out": str(out), "model": family, "config_class": ".".join(config_class), "dtype": dtype_name,
-            "layers": cfg.num_layers, "vocab_size": cfg.vocab_size}
+            "layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "tokenizer_files": copied, "missing": missing}
+
+
+TOKENIZER_SUBDIR = "nemo_tokenizer"
+
+
+def _source_files(path: Path, dst: Path, cfg, hf_config, tokenizer) -> tuple[list[str], list[str]]:
+    """Copy the source model's tokenizer files, generation_config.json and config.json into ``dst``;
+    returns (names copied, what is missing)."""
+    import shutil
+
+    from .hf_files import copy_tokenizer_files, missing_export_files
+    from .mcore_format import HF_CONFIG_FILE, TOKENIZER_DIR
+
+    tok = Path(tokenizer) if tokenizer else path / TOKENIZER_DIR
+    if tokenizer and not tok.is_dir():
+        raise ConversionError(f"--tokenizer {tok} is not a directory")
+    copied = copy_tokenizer_files(tok, dst) if tok.is_dir() else []
+    src = Path(hf_config) if hf_config else path / HF_CONFIG_FILE
+    if hf_config and not src.is_file():
+        raise ConversionError(f"--hf-config {src} is not a file")
+    if src.is_file():
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst / "config.json")
+        copied.append("config.json")
+    missing = missing_export_files(str(src) if src.is_file() else None, copied, cfg, [])
+    if not src.is_file():  # NeMo's model config is model.yaml; only the HF config.json is missing here
+        missing[0] = ("the source model's config.json (bos/eos token ids, max_position_embeddings): pass --hf-config "
+                      "config.json of the model the run started from")
+    return copied, missing

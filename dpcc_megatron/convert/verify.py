@@ -82,13 +82,14 @@ def mcore_logits(ckpt_dir: str | Path, tokens: torch.Tensor, tp: int, pp: int, p
         destroy_model_parallel()
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     import transformers
     from transformers import AutoModelForCausalLM
 
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager",
-                                                 **{dtype_kw: torch.float32}).to(device).eval()
+                                                 **{dtype_kw: dtype}).to(device).eval()
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
 
@@ -133,14 +134,24 @@ def _run_ranks(mcore: Path, tokens_file: Path, out_file: Path, tp: int, pp: int,
 
 
 def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
-           seq_len: int = 32, seed: int = 0, atol: Optional[float] = None, params_dtype: str = "fp32",
+           seq_len: int = 32, seed: int = 0, atol: Optional[float] = None, params_dtype: Optional[str] = None,
            transformer_engine: bool = False, hf_device: str = "cpu", timeout: float = 3600.0,
-           log: Callable[[str], None] = print) -> dict:
-    """Compare both models; returns the report (``report["ok"]`` says whether it is within ``atol``)."""
+           log: Callable[[str], None] = print, memory_only: bool = False) -> dict:
+    """Compare both models; returns the report (``report["ok"]`` says whether it is within ``atol``).
+
+    Both models run in ``params_dtype``, by default the dtype the Megatron checkpoint stores (the
+    model's own), and the memory that needs is logged before anything loads. ``memory_only``:
+    return the memory estimate (:func:`.verify_memory.memory_need`) without running anything."""
     from .hf_files import HFCheckpoint
+    from .mcore_format import DTYPES, output_dtype
+    from .verify_memory import describe_need, memory_need
 
     mcore = resolve_checkpoint_dir(mcore_dir)
     cfg = read_model_config(mcore)
+    if params_dtype is None:
+        params_dtype = output_dtype(mcore, None)[0]
+    elif params_dtype not in DTYPES:
+        raise ConversionError(f"--params-dtype must be one of {', '.join(DTYPES)}, got {params_dtype!r}")
     hf_cfg, _ = model_config_from_hf(HFCheckpoint(hf_dir).config)
     want, have = architecture_of(cfg), architecture_of(hf_cfg)
     diffs = [f"{k}: Megatron {want[k]!r}, HF {have[k]!r}" for k in want if want[k] != have[k]]
@@ -150,6 +161,10 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 
     if batch < 1 or seq_len < 2:
         raise ConversionError(f"--batch must be >= 1 and --seq-len >= 2, got {batch} and {seq_len}")
     atol = DEFAULT_ATOL[params_dtype] if atol is None else atol
+    need = memory_need(cfg, params_dtype, tp, pp, batch, seq_len)
+    log(describe_need(need))
+    if memory_only:
+        return need
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
     with tempfile.TemporaryDirectory(prefix="dpcc-verify-") as tmp:
@@ -159,9 +174,10 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 
         _run_ranks(mcore, tokens_file, out_file, tp, pp, params_dtype, transformer_engine, timeout)
         got = torch.load(out_file, weights_only=True)
     log("running the HF model ...")
-    ref = hf_logits(hf_dir, tokens, hf_device)
+    ref = hf_logits(hf_dir, tokens, hf_device, DTYPES[params_dtype])
     report = compare(ref, got, tokens)
-    report.update(tp=tp, pp=pp, batch=batch, seq_len=seq_len, params_dtype=params_dtype, atol=atol)
+    report.update(tp=tp, pp=pp, batch=batch, seq_len=seq_len, params_dtype=params_dtype, atol=atol,
+                  memory_estimate_gib=round(need["bytes"] / float(1 << 30), 2))
     report["ok"] = report["max_abs_logit_diff"] <= atol and report["max_abs_logprob_diff"] <= atol
     return report
 

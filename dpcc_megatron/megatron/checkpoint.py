@@ -31,7 +31,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,8 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, scheduler, trainer_state: dict,
                     keep_last: int = 2, local_state: Optional[dict] = None, extra=None,
-                    async_queue=None, protect: Optional[int] = None) -> Path:
+                    async_queue=None, protect: Optional[int] = None,
+                    add_files: Optional[Callable[[Path], None]] = None) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path.
 
     ``local_state`` (this rank's, e.g. the reward state) is written inside the checkpoint before
@@ -130,7 +131,9 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     :func:`retire_old_checkpoints`). Without an
     ``optimizer`` (the start of a run, before any step made Adam state) the checkpoint holds the
     weights, scheduler and trainer state; its ``trainer_state.json`` says ``optimizer_saved: false``
-    and the loader then leaves the optimizer to the caller (a fresh one)."""
+    and the loader then leaves the optimizer to the caller (a fresh one). ``add_files(dir)``: rank 0 writes
+    files of its own into the checkpoint before it is complete (e.g. the source model's config and
+    tokenizer, which exports read back)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -156,6 +159,8 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     if local_state is not None:
         torch.save(local_state, tmp / "rng" / f"local{_rank()}.pt")
     text = None
+    if _rank() == 0 and add_files is not None:
+        add_files(tmp)
     if _rank() == 0:  # serialised now: the trainer moves on before an asynchronous save finalises
         state = dict(trainer_state)
         state["iteration"] = iteration
@@ -186,6 +191,21 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     return final
+
+
+def remove_interrupted_saves(root: str | Path) -> list[str]:
+    """Rank 0, at the start of a run: the ``.tmp_iter_*`` directories of saves that never finished
+    (the process died mid-write) go to the trash and are deleted in the background, with any
+    ``.trash_*`` a killed process left. Returns the names removed. Nothing of this run is in flight
+    yet, so none of them can be a save still being written."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.glob(".tmp_iter_*") if p.is_dir())
+    for p in stale:
+        _to_trash(p)
+    _delete_in_background(root)
+    return [p.name for p in stale]
 
 
 def load_local_state(path: str | Path) -> dict:

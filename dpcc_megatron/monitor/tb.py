@@ -22,7 +22,10 @@ TAG_GROUPS = {
     "language_consistency": "quality", "perplexity": "quality", "reward_mean": "reward",
     "reward_std": "reward", "reward_agreement": "reward", "sample_utilization": "efficiency",
     "zero_var_frac": "efficiency", "steps_taken": "efficiency", "steps_skipped": "efficiency",
+    "seconds": "time", "tokens_per_s": "time", "peak_device_memory_gib": "memory", "host_peak_rss_gib": "memory",
 }
+TAG_GROUPS.update({f"time_{p}_s": "time" for p in ("rollout", "refit", "logprobs", "logprobs_old", "logprobs_ref",
+                                                    "update", "checkpoint", "eval")})
 
 
 class TensorBoardWriter:

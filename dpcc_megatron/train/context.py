@@ -115,7 +115,13 @@ class RunContext:
         """Collective checkpoint of this iteration; ``weights_only`` before the first optimizer step."""
         from ..megatron.checkpoint import save_checkpoint
 
+        from .loading import run_identity
+
+        from ..convert.provenance import carried_from, copy_carried
+
+        source, files = carried_from(self.cfg.checkpoint.load, self.cfg.data.tokenizer)
         state = {"model": to_dict(self.cfg.model), "layout": self.layout(), "config": to_dict(self.cfg),
+                 "run": run_identity(self.cfg), "source": source,
                  "controller": controller.state_dict(), "dataset": self.dataset.state_dict(),
                  "consumed_samples": self.consumed_samples, "counters": dict(self.counters),
                  "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
@@ -127,7 +133,8 @@ class RunContext:
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks,
                                None if weights_only else self.optimizer, self.scheduler,
                                state, keep_last=self.cfg.checkpoint.keep_last, local_state=local,
-                               extra=self.reference, async_queue=self.ckpt_queue, protect=self.rollback_target())
+                               extra=self.reference, async_queue=self.ckpt_queue, protect=self.rollback_target(),
+                               add_files=lambda d: copy_carried(files, d))
         if self.rank == 0:
             how = "started writing" if self.ckpt_queue is not None else "saved"
             print(f"[dpcc] {how} checkpoint {path}", flush=True)
@@ -146,7 +153,7 @@ class RunContext:
     def can_roll_back(self) -> bool:
         """Whether a confirmed collapse can roll this run back (control acting, rollback on, checkpoints)."""
         m = self.cfg.monitor
-        return bool(self.cfg.checkpoint.dir) and m.control_active and m.rollback_on_collapse
+        return bool(self.cfg.checkpoint.dir) and m.acts_on("rollback") and m.rollback_on_collapse
 
     def rollback_target(self) -> Optional[int]:
         """The iteration whose checkpoint retention keeps for a rollback (rank 0's local detector); None
@@ -172,16 +179,19 @@ class RunContext:
         from .trainer_totals import total_optimizer_steps
 
         ck = self.cfg.checkpoint
+        self._sweep_checkpoint_dir()
         path = latest_checkpoint(ck.dir) if (ck.dir and ck.resume != "never") else None
         if path is None:
             if ck.resume == "required":
                 raise FileNotFoundError(f"checkpoint.resume is 'required' but {ck.dir} has no checkpoint "
                                         "(set checkpoint.resume=auto to start fresh)")
             return 0
+        self._check_same_run(path)
         self.build_rl_optimizer(total_optimizer_steps(self.cfg))
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
-                                extra=self._reference_in(path))
+        with self._loading("resuming from", path):
+            state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                    extra=self._reference_in(path))
         self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         self.dataset.load_state_dict(state["dataset"])
@@ -198,6 +208,54 @@ class RunContext:
         if self.rank == 0:
             print(f"[dpcc] resumed from {path} at iteration {state['iteration']}", flush=True)
         return int(state["iteration"])
+
+    def log0(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def _loading(self, what: str, path):
+        """Context: the load of ``path`` announced (what it holds, this job's layout) with progress (rank 0)."""
+        from .loading import announce
+
+        return announce(what, path, self.cfg, self.dp, self.rank)
+
+    def _sweep_checkpoint_dir(self) -> None:
+        """Rank 0: remove saves an interrupted run left half-written; say what checkpoint.dir holds when
+        this run starts afresh over another run's checkpoints."""
+        from ..megatron.checkpoint import CheckpointError, latest_checkpoint, remove_interrupted_saves
+
+        ck = self.cfg.checkpoint
+        if not ck.dir or self.rank != 0:
+            return
+        for name in remove_interrupted_saves(ck.dir):
+            print(f"[dpcc] removed {Path(ck.dir) / name}: a save that never finished (the run writing it "
+                  f"was interrupted)", flush=True)
+        if ck.resume == "never" and (Path(ck.dir) / "latest").is_file():
+            try:
+                it = json.loads((latest_checkpoint(ck.dir) / "trainer_state.json").read_text()).get("iteration")
+            except (CheckpointError, OSError, ValueError) as e:  # this run starts afresh either way
+                it = f"unknown: {e}"
+            print(f"[dpcc] WARNING: {ck.dir} holds another run's checkpoints (latest: iteration {it}); "
+                  f"checkpoint.resume=never starts afresh, and this run's saves replace `latest` and retire "
+                  f"those checkpoints (checkpoint.keep_last)", flush=True)
+
+    def _check_same_run(self, path: Path) -> None:
+        """Refuse to resume a checkpoint of an unrelated or later run, saying so plainly (every rank
+        reads the same file, so every rank raises)."""
+        from ..megatron.checkpoint import CheckpointError
+        from .loading import identity_problems
+
+        try:
+            saved = json.loads((path / "trainer_state.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}/trainer_state.json is unreadable: {e}") from None
+        errors, notes = identity_problems(saved, self.cfg)
+        if errors:
+            raise CheckpointError(f"checkpoint.dir {self.cfg.checkpoint.dir} cannot be resumed by this run: its "
+                                  f"latest checkpoint {path.name} " + "; ".join(errors)
+                                  + ". Use another checkpoint.dir for a new run.")
+        for note in notes:
+            self.log0(f"[dpcc] note: resuming {path}: {note}")
 
     def _reference_in(self, path: Path):
         """The reference to restore from the checkpoint at ``path``: ours when it saved one. A checkpoint
@@ -270,9 +328,12 @@ class RunContext:
                 self.monitor.send(record)
                 got = self.sidecar_advice.answer(self.monitor, record["iteration"], got)
                 self.counters["advice_fallbacks"] = self.sidecar_advice.fallbacks
-            if got is not None and got.action != "none" and self.cfg.monitor.control_active:
+            if got is not None and self.cfg.monitor.acts_on(got.action):
                 advice = (got.action, float(got.factor), got.to_iteration)
                 print(f"[dpcc] control advice: {got.action} ({got.reason})", flush=True)
+            elif got is not None and got.action != "none" and self.cfg.monitor.control_active:
+                print(f"[dpcc] control advice not acted on (monitor.act_on: {self.cfg.monitor.act_on}): "
+                      f"{got.action} ({got.reason})", flush=True)
         if dist.is_initialized() and self.world > 1:
             box = [advice]
             dist.broadcast_object_list(box, src=0)
@@ -297,8 +358,9 @@ class RunContext:
             return None
         path = root / f"iter_{eligible[-1]:07d}"
         current = {"model": to_dict(self.cfg.model), "layout": self.layout()}
-        state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
-                                extra=self._reference_in(path))
+        with self._loading("rolling back to", path):
+            state = load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, current,
+                                    extra=self._reference_in(path))
         self._fresh_optimizer_if_weights_only(state)
         controller.load_state_dict(state["controller"])
         if self.detector is not None and state.get("detector"):
@@ -368,18 +430,27 @@ def setup_run(cfg: JobConfig) -> RunContext:
     reward.base_layer.check_sandbox({p.fields.get("task") for p in prompts + eval_prompts})  # code: isolation or stop
     dataset = PromptDataset(prompts, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
+    from .loading import announce
+
     load_fn = None
     if cfg.checkpoint.load:
         from ..convert import load_mcore_checkpoint
 
-        load_fn = lambda chunks: load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)  # noqa: E731
+        def load_fn(chunks):
+            with announce("loading checkpoint.load", cfg.checkpoint.load, cfg, dp, dist.get_rank()):
+                load_mcore_checkpoint(chunks, cfg.checkpoint.load, cfg.model)
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision, load_fn)
     reference = None
     if cfg.loss.ref_kl_coef > 0:
+        from contextlib import nullcontext
+
         from ..megatron.reference import ReferencePolicy
 
-        reference = ReferencePolicy.build(chunks, cfg.model, cfg.parallel, cfg.precision,
-                                          path=cfg.loss.ref_model_path, offload=cfg.loss.ref_offload)
+        path = cfg.loss.ref_model_path
+        with (announce("loading the reference (loss.ref_model_path)", path, cfg, dp, dist.get_rank()) if path
+              else nullcontext()):
+            reference = ReferencePolicy.build(chunks, cfg.model, cfg.parallel, cfg.precision,
+                                              path=path, offload=cfg.loss.ref_offload)
 
     rank = dist.get_rank()
     if rank == 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import sys
 
+from .timing import console_fields
+
 
 def _fmt(x, spec=".4f") -> str:
     try:
@@ -36,7 +38,8 @@ class ConsoleLogger:
                f"tau: {_fmt(r['tau'], '.3f')} | lr: {_fmt(r['lr'], '.3e')} | lr factor: {_fmt(r['lr_factor'], '.3f')} | "
                f"grad norm: {_fmt(r['grad_norm'])} | clip frac: {_fmt(r['clip_frac'])} | "
                f"sample util: {_fmt(r['sample_utilization'])} | s/iter: {_fmt(r['seconds'], '.2f')} | "
-               f"tokens/s: {_fmt(r['tokens_per_s'], '.0f')}")
+               f"tokens/s: {_fmt(r['tokens_per_s'], '.0f')}"
+               + (f" | {console_fields(r)}" if "time_rollout_s" in r else ""))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.write(msg)

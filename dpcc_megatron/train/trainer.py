@@ -27,6 +27,7 @@ from .control import MonitorControl
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
 from .sampling import sample_iteration
+from .timing import PhaseTimer
 from .trainer_totals import total_optimizer_steps
 from .update import policy_update, probe_drift, probe_samples, sft_update
 
@@ -74,6 +75,7 @@ def train(cfg: JobConfig) -> dict:
     ctx = setup_run(cfg)
     signals = _Signals()
     log = ConsoleLogger(ctx)
+    timer = PhaseTimer()  # time_*_s and peak memory in every record (train/timing.py)
     total_steps = total_optimizer_steps(cfg)
     controller = DPCCController(cfg.loss.dpcc, total_steps)
     control = MonitorControl(cfg.monitor)  # the LR scale the monitor's advice maintains
@@ -103,10 +105,13 @@ def train(cfg: JobConfig) -> dict:
     stop_reason = "completed"
     stop_kind = "completed"
     while iteration < cfg.train.iterations:
-        ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
+        timer.start_iteration(ctx.engine)
+        with timer.phase("checkpoint"):
+            ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
         try:
-            samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+            with timer.phase("rollout"):
+                samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
         except RefitError:  # the rollout engine could not take the current weights: stop, keep them
             if cfg.checkpoint.dir:
                 ctx.save(iteration, controller, summary)
@@ -118,12 +123,15 @@ def train(cfg: JobConfig) -> dict:
                                             cfg.loss.advantage_eps, per_component=cfg.loss.advantage_per_component,
                                             weights=rewards.weights)
         batch = rollouts.to_batch(adv)
-        old_lp, entropy = ctx.logprobs(batch)
+        with timer.phase("logprobs_old"):
+            old_lp, entropy = ctx.logprobs(batch)
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
-        batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
+        with timer.phase("logprobs_ref"):
+            batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
         release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
+        timer.start("update")
         steps, step_metrics = 0, []
         mini = cfg.train.mini_batch_size // ctx.dp
         for epoch in range(cfg.train.inner_epochs):
@@ -151,6 +159,7 @@ def train(cfg: JobConfig) -> dict:
                                    dp_group=ctx.dp_group, pp_group=ctx.pp_group, vocab_size=ctx.vocab_size,
                                    observe=dpcc_probe)
         release_cached_memory(release)  # training -> rollout: activations and grads' scratch are gone
+        timer.stop("update")
         record = ctx.iteration_record(iteration, rollouts, rewards, adv_metrics, batch, lp_stats,
                                       step_metrics, controller, time.time() - t0,
                                       step_kl_after=probe_kl if one_step else None)
@@ -158,6 +167,7 @@ def train(cfg: JobConfig) -> dict:
         if ctx.evaluator is not None:  # the evaluation of the weights this iteration sampled with, if one ran
             record.update(ctx.evaluator.record_fields(iteration))
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
+        record.update(timer.record_fields(ctx.engine))  # collective: peak memory over ranks
         if probe_kl is not None and dpcc_probe:  # DPCC's controller input (after several steps, not one step's KL)
             record["kl_probe"] = probe_kl
         log.line(record)
@@ -183,7 +193,8 @@ def train(cfg: JobConfig) -> dict:
             control.apply(advice)
 
         if ctx.evaluator.due(iteration) and iteration < cfg.train.iterations:
-            evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
+            with timer.phase("eval"):
+                evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
@@ -199,7 +210,8 @@ def train(cfg: JobConfig) -> dict:
             stop_kind = "exit_interval"
         interval = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (stop or (interval and iteration % interval == 0)):
-            ctx.save(iteration, controller, summary, control)
+            with timer.phase("checkpoint"):
+                ctx.save(iteration, controller, summary, control)
         if stop:
             break
 
@@ -208,7 +220,8 @@ def train(cfg: JobConfig) -> dict:
         summary["reward_after"] = None
         summary["final_eval"] = f"skipped: {stop_reason}"
     else:
-        summary["reward_after"] = evaluate_greedy(ctx, iteration)
+        with timer.phase("eval"):
+            summary["reward_after"] = evaluate_greedy(ctx, iteration)
     summary["eval"] = ctx.evaluator.last
     summary.update(iterations=iteration, stop_reason=stop_reason, stop_kind=stop_kind, kl_last=controller.last_kl,
                    tau_last=controller.tau, lr_factor_last=controller.lr_factor,
@@ -218,8 +231,11 @@ def train(cfg: JobConfig) -> dict:
                    lr_recoveries=control.recoveries)
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
-        ctx.save(iteration, controller, summary, control)
-    ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
+        with timer.phase("checkpoint"):
+            ctx.save(iteration, controller, summary, control)
+    with timer.phase("checkpoint"):
+        ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
+    summary.update(timer.after_last_record())
     ctx.finish(summary)
     if ctx.rank == 0:
         print(f"[dpcc] {stop_reason}: reward {summary['reward_before']} -> {summary['reward_after']}", flush=True)

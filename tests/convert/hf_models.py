@@ -127,8 +127,9 @@ def try_loads(attempts: dict, parallel) -> dict:
     return out
 
 
-def resave(ckpt, cfg, parallel, trained, iteration: int) -> None:
-    """In a rank: load ``ckpt`` at ``parallel`` and save it with the trainer's checkpoint writer."""
+def resave(ckpt, cfg, parallel, trained, iteration: int, carry: bool = False) -> None:
+    """In a rank: load ``ckpt`` at ``parallel`` and save it with the trainer's checkpoint writer; with
+    ``carry``, as the trainer saves a run started from ``ckpt`` (its source files and provenance)."""
     from dpcc_megatron.config import to_dict
     from dpcc_megatron.convert import load_mcore_checkpoint
     from dpcc_megatron.megatron.checkpoint import save_checkpoint
@@ -139,7 +140,14 @@ def resave(ckpt, cfg, parallel, trained, iteration: int) -> None:
     try:
         model = build_gpt_model(cfg, parallel)
         load_mcore_checkpoint([model], ckpt, cfg)
-        save_checkpoint(trained, iteration, [model], None, None, {"model": to_dict(cfg)})
+        state, add = {"model": to_dict(cfg)}, None
+        if carry:
+            from dpcc_megatron.convert.provenance import carried_from, copy_carried
+
+            source, files = carried_from(str(ckpt))
+            state["source"] = source
+            add = lambda d: copy_carried(files, d)  # noqa: E731
+        save_checkpoint(trained, iteration, [model], None, None, state, add_files=add)
     finally:
         destroy_model_parallel()
 

@@ -8,6 +8,7 @@ below check their results.
 """
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -57,6 +58,7 @@ def _forwards(rank, world, cases, tokens, ckpt, trained):
     out.update(try_loads({"mismatch": (ckpt, narrow, None),
                           "one_rank": (ckpt, cfg, dataclasses.replace(cfg, vocab_size=99) if rank else None)}, tp2))
     resave(ckpt, cfg, tp2, trained, 3)
+    resave(ckpt, cfg, tp2, trained + "_carry", 4, carry=True)
     out["vpp"] = vpp_mismatches(cfg, ckpt)
     return out
 
@@ -108,8 +110,13 @@ def work(tmp_path_factory):
     cases = {(f, tp, pp): (str(mc[f]), tp, pp) for f in FAMILIES for tp, pp in LAYOUTS}
     cases[("bin", 1, 1)] = (str(root / "bin_mc"), 1, 1)
     ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, str(mc["llama"]), str(root / "trained")), timeout=600)
-    export = ["convert", "mcore-to-hf", "--mcore", str(root / "trained"), "--out", str(root / "trained_hf")]
-    (results["trained"],) = run_multirank(_conversions, 1, args=({"trained": export},), timeout=300)
+    exports = {"trained": ["convert", "mcore-to-hf", "--mcore", str(root / "trained"), "--out", str(root / "trained_hf")],
+               "carried": ["convert", "mcore-to-hf", "--mcore", str(root / "trained_carry"), "--out",
+                           str(root / "carried_hf")],
+               "carried_nemo": ["convert", "mcore-to-nemo", "--mcore", str(root / "trained_carry"), "--out",
+                                str(root / "carried_nemo"), "--no-progress"]}
+    (exported,) = run_multirank(_conversions, 1, args=(exports,), timeout=300)
+    results.update(exported)
     return {"root": root, "hf": hf, "mc": mc, "results": results, "ranks": ranks}
 
 
@@ -146,7 +153,7 @@ def test_bin_checkpoint_converts_like_safetensors(work):
 def test_training_checkpoint_exports_to_hf(work):
     """The trainer's checkpoint (saved at TP=2, padded vocabulary 256, no hf_config.json or
     tokenizer) exports bit-identically, with a generated config.json transformers loads."""
-    rc, out, err = work["results"]["trained"]["trained"]
+    rc, out, err = work["results"]["trained"]
     assert rc == 0, err[-3000:]
     trained_hf = work["root"] / "trained_hf"
     a, b = read_tensors(work["hf"]["llama"]), read_tensors(trained_hf)
@@ -154,6 +161,44 @@ def test_training_checkpoint_exports_to_hf(work):
     config = json.loads((trained_hf / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_parameters"]["rope_type"] == "llama3"
     assert torch.equal(hf_logits(trained_hf, TOKENS), hf_logits(work["hf"]["llama"], TOKENS))
+
+
+def test_training_checkpoint_without_source_files_says_what_the_export_lacks(work):
+    rc, out, err = work["results"]["trained"]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["config_from"] == "generated from the model config" and len(summary["missing"]) == 3
+    assert summary["missing"][0].startswith("the source model's config.json: config.json was generated from the "
+                                            "model config (no bos/eos token ids, max_position_embeddings = "
+                                            "model.max_seq_len = ")
+    assert "--tokenizer DIR" in summary["missing"][1] and summary["missing"][2].startswith("generation_config.json")
+    assert err.count("missing: ") == 3
+
+
+def test_a_run_started_from_a_converted_checkpoint_exports_the_source_models_files(work):
+    """The trainer's checkpoint carries hf_config.json, the tokenizer and generation_config.json of the
+    HF model it started from; mcore-to-hf and mcore-to-nemo write them back out and miss nothing."""
+    root, src = work["root"], work["hf"]["llama"]
+    state = json.loads((root / "trained_carry" / "iter_0000004" / "trainer_state.json").read_text())
+    assert state["source"]["type"] == "huggingface" and state["source"]["path"] == str(src.resolve())
+    assert state["source"]["checkpoint_load"] == str(work["mc"]["llama"])
+    rc, out, err = work["results"]["carried"]
+    assert rc == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["missing"] == [] and "missing:" not in err
+    assert summary["config_from"] == "the checkpoint's hf_config.json"
+    exported = root / "carried_hf"
+    original, written = json.loads((src / "config.json").read_text()), json.loads((exported / "config.json").read_text())
+    assert {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")} == \
+        {k: v for k, v in original.items() if k not in ("dtype", "torch_dtype")}
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (exported / name).read_bytes() == (src / name).read_bytes(), name
+    rc, out, err = work["results"]["carried_nemo"]
+    assert rc == 0, err[-3000:]
+    nemo = json.loads(out.strip().splitlines()[-1])
+    assert nemo["missing"] == [] and set(nemo["tokenizer_files"]) >= {"tokenizer.json", "generation_config.json",
+                                                                      "config.json"}
+    kept = root / "carried_nemo" / "context" / "nemo_tokenizer"
+    assert json.loads((kept / "config.json").read_text()) == original
 
 
 def test_llama3_rope_frequencies_match_hf(work):
@@ -233,12 +278,33 @@ def _verify(hf, mc, *extra):
 
 
 def test_verify_passes_for_a_faithful_conversion(work):
-    rc, out = _verify(work["hf"]["qwen2"], work["mc"]["qwen2"], "--tp", "2")
+    rc, out = _verify(work["hf"]["qwen2"], work["mc"]["qwen2"], "--tp", "2", "--params-dtype", "fp32")
     assert rc == 0, out
     report = json.loads(out.strip().splitlines()[-1])
     assert report["ok"] and report["tp"] == 2
     assert report["max_abs_logit_diff"] < 1e-4 and report["max_abs_logprob_diff"] < 1e-4
     assert "max |logit diff|" in out and "PASS" in out
+
+
+def test_verify_runs_in_the_models_own_dtype_and_says_what_memory_it_needs(work):
+    from dpcc_megatron.convert.verify_memory import PROCESS_OVERHEAD_BYTES, memory_need
+    from dpcc_megatron.config import load_config
+
+    # qwen2 was built and converted in bf16: that is the default, for both models
+    rc, out, err = run_cli(["convert", "verify", "--hf", str(work["hf"]["qwen2"]), "--mcore", str(work["mc"]["qwen2"]),
+                            "--tp", "2", "--memory-only"])  # in this process: nothing is loaded or started
+    assert rc == 0, err
+    need = json.loads(out.strip().splitlines()[-1])
+    assert need["dtype"] == "bf16" and need["ranks"] == 2
+    assert "verify needs about" in err and "(estimate)" in err
+    assert need["megatron_phase_bytes"] > 2 * need["params"] * 2 and need["hf_phase_bytes"] > need["params"] * 2
+    # Llama-3-70B in its own bf16 on 16 ranks: ~2 x 141 GB while the ranks load, the HF model alone after
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "llama3_70b.yaml").model
+    bf16, fp32 = memory_need(cfg, "bf16", 8, 2, 2, 32), memory_need(cfg, "fp32", 8, 2, 2, 32)
+    assert 70.5e9 < bf16["params"] < 71.5e9
+    assert bf16["bytes"] == bf16["megatron_phase_bytes"] and 2 * fp32["params"] * 4 < fp32["bytes"]
+    assert bf16["bytes"] - 4 * bf16["params"] < 16 * PROCESS_OVERHEAD_BYTES + (1 << 30)
+    assert fp32["bytes"] > 1.9 * bf16["bytes"]
 
 
 def test_verify_fails_when_a_weight_was_corrupted(work):

@@ -7,6 +7,7 @@ MBS 1, sequence 8192 for Llama-3-70B; 1024 H100s, GBS 512 for Llama-3.1-405B.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ def test_llama3_70b_published_layout_fits_and_tp1_pp1_does_not_even_with_full_re
 # --- the shipped example configs: the planner and the trainer agree on what runs -------------------
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SHIPPED = {"qwen25_7b.yaml": 8, "llama3_70b.yaml": 64, "mistral_large_123b.yaml": 64}
+SHIPPED = {"qwen25_7b.yaml": 8, "llama3_70b.yaml": 64, "llama31_70b_instruct.yaml": 64, "mistral_large_123b.yaml": 64}
+ESTIMATES = re.compile(r"# Planner estimates \(not measured\): peak ([\d.]+) GiB/GPU, ~(\d+) s/iteration, "
+                       r"rollout ~(\d+) s, ~(\d+) tokens/s/GPU;\n# printed by `dpcc-megatron plan --config "
+                       r"examples/([\w.]+) --gpus (\d+)`")
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -91,3 +95,24 @@ def test_planner_and_trainer_both_refuse_an_interleaved_batch_layout_megatron_ca
     assert any("interleaved schedule" in p for p in plan.problems), plan.problems
     with pytest.raises(ValueError, match=r"train\.mini_batch_size.*train\.micro_batch_size"):
         _check_batch_layout(cfg, plan.layout.dp)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_each_example_header_quotes_what_the_planner_prints_now(name):
+    """The header's figures are labelled estimates, name the command that prints them, and are what it
+    prints today (a planner or config change that moves them fails here until the header follows)."""
+    text = (EXAMPLES / name).read_text()
+    m = ESTIMATES.search(text.split("\nmodel:", 1)[0])
+    assert m, f"{name}: no 'Planner estimates (not measured): ...' header line with its command"
+    peak, it, rollout, tps, file, gpus = m.groups()
+    assert file == name and int(gpus) == SHIPPED[name]
+    plan = plan_layout(load_config(EXAMPLES / name), PlanOptions(gpus=int(gpus)))
+    assert plan.fits
+    got = (f"{plan.peak_gib:.1f}", f"{plan.time.total_s:.0f}", f"{plan.time.rollout_s:.0f}",
+           f"{plan.tokens_per_s_per_gpu:.0f}")
+    assert got == (peak, it, rollout, tps), f"{name}: update its header to {got}"
+
+
+def test_tiny_cpu_header_quotes_no_gpu_estimate_for_a_cpu_run():
+    text = (EXAMPLES / "tiny_cpu.yaml").read_text()
+    assert "dpcc-megatron plan --config examples/tiny_cpu.yaml --gpus 2" in text and not ESTIMATES.search(text)

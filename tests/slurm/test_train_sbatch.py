@@ -79,6 +79,9 @@ def test_tiny_cpu_job_trains_reports_to_the_sidecar_and_checkpoints(slurm, job_e
     why = diagnostics(tmp_path, job, logdir)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, why)
     assert "[dpcc] completed" in read(logdir / "attempt-0" / "rank-0.log"), why
+    # CPUs per rank: the node's 2 CPUs over 2 tasks; task/none here cannot bind, and the log says so
+    assert ("CPUs: 1 per rank of the 2 the job holds on a node, unbound: this Slurm's TaskPlugin=task/none "
+            "cannot bind") in read(logdir / "batch.log"), read(logdir / "batch.log")
 
     # Checkpoints: every save_interval=2 iterations and at the end, the newest two kept; the monitor's
     # control is on (a sidecar), so retention also keeps the rollback target: the newest checkpoint at

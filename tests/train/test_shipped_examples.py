@@ -14,7 +14,10 @@ from dpcc_megatron.testing.shrink import shrink_for_cpu
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SHIPPED = ("qwen25_7b.yaml", "llama3_70b.yaml", "mistral_large_123b.yaml")
+SHIPPED = ("qwen25_7b.yaml", "llama3_70b.yaml", "llama31_70b_instruct.yaml", "mistral_large_123b.yaml")
+# llama3_70b's shrunk layout is llama31_70b_instruct's (checked below without training), so training
+# the Llama-3.1 one, which also runs its llama3 rope scaling, covers both.
+TRAINED = ("qwen25_7b.yaml", "llama31_70b_instruct.yaml", "mistral_large_123b.yaml")
 
 
 def _train_rank(rank, world, cfg):
@@ -43,7 +46,7 @@ def _train_rank(rank, world, cfg):
             "dist_opt": type(ctx.optimizer).__name__, "finite": all(torch.isfinite(p).all() for p in final)}
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", TRAINED)
 def test_shipped_example_trains_two_iterations_on_cpu(tmp_path, name):
     full = load_config(EXAMPLES / name)
     cfg, dropped = shrink_for_cpu(full, str(tmp_path))
@@ -67,3 +70,23 @@ def test_shipped_example_trains_two_iterations_on_cpu(tmp_path, name):
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(abs(r["pg_loss"]) < 1e3 for r in records)
     assert (tmp_path / "ck" / "latest").read_text().strip() == "iter_0000002"
+
+
+def test_llama3_70b_shrinks_to_the_layout_trained_for_llama31_70b(tmp_path):
+    from dpcc_megatron.config import to_dict
+
+    a, b = (to_dict(shrink_for_cpu(load_config(EXAMPLES / n), str(tmp_path))[0])
+            for n in ("llama3_70b.yaml", "llama31_70b_instruct.yaml"))
+    for section in ("parallel", "precision", "optim", "loss", "rollout"):
+        assert a[section] == b[section], section
+    assert {k: v for k, v in a["model"].items() if k != "rope_scaling"} == \
+        {k: v for k, v in b["model"].items() if k != "rope_scaling"}
+    assert b["model"]["rope_scaling"]["rope_type"] == "llama3" and a["model"]["rope_scaling"] is None
+
+
+def test_large_examples_advise_and_the_cpu_demo_acts():
+    for name in SHIPPED:
+        m = load_config(EXAMPLES / name).monitor
+        assert m.control_active and m.act_on == "none" and not m.acts_on("rollback"), name
+    demo = load_config(EXAMPLES / "tiny_cpu.yaml").monitor
+    assert demo.act_on == "all" and demo.acts_on("rollback") and demo.acts_on("reduce_lr")

@@ -92,10 +92,16 @@ def test_rl_run_completes_and_moves_weights(tmp_path, tp, pp):
     assert all(r["kl_probe"] > 0 for r in records)
     assert all(r["kl_step_max"] != r["kl_probe"] for r in records)
     assert {r["optimizer_steps"] for r in records} == {2}
+    for r in records:  # phase timings (train/timing.py); no checkpoint or evaluation ran between records
+        assert r["time_rollout_s"] > 0 and r["time_logprobs_s"] > 0 and r["time_update_s"] > 0
+        assert r["time_eval_s"] == r["time_refit_s"] == 0.0 and r["time_checkpoint_s"] < 0.05  # nothing to finalise
+        assert r["time_rollout_s"] + r["time_logprobs_s"] + r["time_update_s"] <= r["seconds"] + 1e-6
+        assert r["peak_device_memory_gib"] is None and r["host_peak_rss_gib"] > 0
 
 
-def test_resume_is_exact(tmp_path):
-    """2N iterations == N iterations, stop, resume, N more (per-iteration losses and rewards)."""
+def test_resume_is_exact(tmp_path, capfd):
+    """2N iterations == N iterations, stop, resume, N more (per-iteration losses and rewards); the resume
+    says what it loads, and a save the first part left half-written is removed."""
     keys = ("pg_loss", "reward_mean", "kl_old_new", "entropy", "tau", "lr_factor")
     common = {"train.iterations": 4, "checkpoint.save_interval": 2, "checkpoint.keep_last": 2,
               "rollout.temperature": 1.0}
@@ -106,12 +112,22 @@ def test_resume_is_exact(tmp_path):
     (first, _), = run_multirank(_run_rank, 1, args=(str(split), over), timeout=300)
     assert first["iterations"] == 2 and "exit_interval" in first["stop_reason"]
     assert (split / "ck" / "latest").read_text().strip() == "iter_0000002"
+    (split / "ck" / ".tmp_iter_0000003").mkdir()  # as a run killed mid-save leaves it
+    capfd.readouterr()
     (second, _), = run_multirank(_run_rank, 1, args=(str(split), over), timeout=300)
+    said = capfd.readouterr().out
+    assert f"[dpcc] removed {split / 'ck' / '.tmp_iter_0000003'}: a save that never finished" in said
+    assert not (split / "ck" / ".tmp_iter_0000003").exists()
+    assert (f"[dpcc] resuming from {split / 'ck' / 'iter_0000002'}: training checkpoint of iteration 2, saved at "
+            "TP1 PP1 DP1, no distributed optimizer;") in said and "; this job: TP1 PP1 DP1" in said
+    assert f"[dpcc] loaded {split / 'ck' / 'iter_0000002'} in " in said
     assert second["iterations"] == 4 and second["stop_reason"] == "completed"
 
     a = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in b] == [2, 3]
+    # the save at the end of iteration 1 shows in iteration 2's record, and only there
+    assert [r["time_checkpoint_s"] > 0.05 for r in a] == [False, False, True, False]
     for ra, rb in zip(a[2:], b):
         for k in keys:
             assert abs(ra[k] - rb[k]) <= 1e-6, (k, ra["iteration"], ra[k], rb[k])
