@@ -57,6 +57,9 @@ class JobConfig:
         check(self.precision.tis_cap is None or self.loss.name not in ("clip_cov", "kl_cov"), "precision.tis_cap",
               f"cannot be combined with loss.name={self.loss.name!r} (its token selection and |log r| penalty "
               "do not scale with the advantage); unset one of them")
+        from .model import moe_layout_checks
+
+        moe_layout_checks(self.model, self.parallel)
         budget = self.train.max_tokens_per_micro_batch
         check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
               "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "
