@@ -120,6 +120,7 @@ def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict
         moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
         moe_grouped_gemm=False,  # SequentialMLP: one expert per module, exact on CPU and GPU
         moe_permute_fusion=False,
+        moe_enable_routing_replay=True,  # idle unless megatron/routing_replay.py drives it
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
     )
@@ -217,10 +218,22 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
+    if model.num_moe_experts is not None:
+        _forget_global_router_replays(gpt)
     _params_to_dtype(gpt, _DTYPES[precision.params_dtype])
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _forget_global_router_replays(gpt) -> None:
+    """Each router keeps its own RouterReplay; drop them from Megatron's process-global list, which
+    would otherwise grow with every model built in the process (routing_replay.py never uses it)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(m.router_replay) for m in gpt.modules() if getattr(m, "router_replay", None) is not None}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
 
 
 def _params_to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
