@@ -5,14 +5,15 @@ logit parity check.
     dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--hf-config F]
         [--tokenizer DIR] [--overwrite]
     dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--hf-config F] [--tokenizer DIR] [--overwrite]
-    dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M] [--atol X] [--params-dtype D] [--memory-only]
+    dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M --ep E --etp T] [--atol X] [--params-dtype D]
+        [--memory-only]
 
 Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory. NeMo 2
 checkpoints need no conversion to train from: `checkpoint.load` reads them directly.
 Exports of a training checkpoint write the source model's config.json, tokenizer and
 generation_config.json when the run started from a converted checkpoint (the trainer carries them in
 every checkpoint); the output names, as "missing:" lines and in its JSON, whatever it had to do without.
-`verify` starts TP*PP ranks itself and ends with one JSON line; it exits 1 above tolerance. Both
+`verify` starts TP*PP ranks (more where the expert grid EP x expert-TP needs them) itself and ends with one JSON line; it exits 1 above tolerance. Both
 models run in the checkpoint's own dtype unless --params-dtype says otherwise, and the host memory
 that needs is printed before anything loads (--memory-only prints just that).
 """
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint directory")
     p.add_argument("--tp", type=int, default=1, help="TP the checkpoint is meant for (checked now; any TP loads it)")
     p.add_argument("--pp", type=int, default=1, help="PP the checkpoint is meant for (checked now; any PP loads it)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size it is meant for (checked now; any EP loads it)")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="stored dtype (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -77,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--mcore", required=True, metavar="DIR")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None, help="tensor parallel size inside each expert (default: --tp)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -105,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
         if args.action == "hf-to-mcore":
             from ..convert.hf_to_mcore import hf_to_mcore
 
-            summary = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            summary = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                   overwrite=args.overwrite, progress=not args.no_progress, log=log)
             print(json.dumps(summary, sort_keys=True))
             return 0
@@ -127,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
             return 0
         from ..convert.verify import format_report, verify
 
-        report = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len,
+        report = verify(args.hf, args.mcore, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, batch=args.batch, seq_len=args.seq_len,
                         seed=args.seed, atol=args.atol, params_dtype=args.params_dtype,
                         transformer_engine=args.transformer_engine, hf_device=args.hf_device,
                         timeout=args.timeout, log=log, memory_only=args.memory_only)

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, default=None,
                         help="virtual pipeline chunks per stage, 0 for none (default: the config's)")
     parser.add_argument("--cp", type=int, default=1, help="context parallel size (default 1)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert parallel size (default: the config's parallel.expert_model_parallel_size)")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
                         help="activation recompute (default: parallel.recompute_granularity if set, else none)")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
@@ -68,7 +70,8 @@ def _options(args):
     hw = Hardware(gpu_mem_gib=args.gpu_mem_gib, gpus_per_node=args.gpus_per_node, peak_tflops=args.peak_tflops,
                   mfu_ceiling=args.mfu_ceiling, hbm_gbps=args.hbm_gbps, intra_node_gbps=args.nvlink_gbps, inter_node_gbps=args.network_gbps)
     sp = None if args.sequence_parallel is None else args.sequence_parallel == "on"
-    return PlanOptions(gpus=args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, recompute=args.recompute,
+    return PlanOptions(gpus=args.gpus, tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep,
+                       recompute=args.recompute,
                        micro_batch=args.micro_batch, sequence_parallel=sp, reserve_gib=args.reserve_gib,
                        logits_chunk=args.logits_chunk, hardware=hw)
 

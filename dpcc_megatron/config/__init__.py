@@ -57,6 +57,17 @@ class JobConfig:
         check(self.precision.tis_cap is None or self.loss.name not in ("clip_cov", "kl_cov"), "precision.tis_cap",
               f"cannot be combined with loss.name={self.loss.name!r} (its token selection and |log r| penalty "
               "do not scale with the advantage); unset one of them")
+        from .model import moe_layout_checks
+
+        moe_layout_checks(self.model, self.parallel)
+        replay = self.rollout.routing_replay
+        check(not replay or self.model.num_moe_experts is not None, "rollout.routing_replay",
+              "needs a mixture-of-experts model (model.num_moe_experts)")
+        check(not replay or self.parallel.recompute_granularity != "full", "rollout.routing_replay",
+              "cannot be combined with parallel.recompute_granularity: full (recomputed routers would replay "
+              "another micro-batch's experts)")
+        check(not replay or self.train.max_tokens_per_micro_batch == 0, "rollout.routing_replay",
+              "needs train.max_tokens_per_micro_batch: 0 (routing is recorded per fixed-size micro-batch)")
         budget = self.train.max_tokens_per_micro_batch
         check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
               "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "

@@ -59,6 +59,26 @@ class ModelConfig:
     update would make even a first step's ratio differ from 1 (refused, not silently changed)."""
     hidden_dropout: float = 0.0
     """Hidden dropout; must be 0, as attention_dropout."""
+    qk_layernorm: bool = False
+    """Per-head norm (model.normalization) of queries and keys before RoPE (Qwen3)."""
+    num_moe_experts: Optional[int] = None
+    """Mixture of experts: routed experts per layer (every layer is an MoE layer); None: dense MLP."""
+    moe_router_topk: int = 2
+    """MoE: experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """MoE: each expert's MLP inner width; None means ffn_hidden_size."""
+    moe_router_pre_softmax: bool = False
+    """MoE: softmax over all experts, then top-k, without renormalising (Qwen3-MoE's
+    norm_topk_prob: false). False: softmax over the top-k logits (Mixtral; norm_topk_prob: true)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of the router's load-balancing loss (Switch-style, per micro-batch), added to
+    the objective and reported separately as moe/load_balancing_loss; 0 disables it."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss (mean squared logsumexp of the router logits), added to
+    the objective and reported separately as moe/z_loss; 0 disables it."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """MoE: per-expert capacity as a multiple of the even share of tokens; tokens over it are dropped
+    (counted in the record). None: dropless, as the Hugging Face models are."""
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
@@ -73,6 +93,19 @@ class ModelConfig:
         check(groups > 0 and self.num_attention_heads % groups == 0, "num_query_groups",
               f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}")
         check(self.norm_epsilon > 0, "norm_epsilon", f"must be > 0, got {self.norm_epsilon}")
+        if self.num_moe_experts is not None:
+            check(self.num_moe_experts >= 2, "num_moe_experts", f"must be >= 2 (or null for a dense MLP), got "
+                  f"{self.num_moe_experts}")
+            check(1 <= self.moe_router_topk <= self.num_moe_experts, "moe_router_topk",
+                  f"must be in [1, num_moe_experts={self.num_moe_experts}], got {self.moe_router_topk}")
+        check(self.moe_ffn_hidden_size is None or self.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size",
+              f"must be > 0, got {self.moe_ffn_hidden_size}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, name, f"must be a finite number >= 0, got {value}")
+        check(self.moe_expert_capacity_factor is None or (math.isfinite(self.moe_expert_capacity_factor)
+                                                           and self.moe_expert_capacity_factor > 0),
+              "moe_expert_capacity_factor", f"must be > 0 (or null: dropless), got {self.moe_expert_capacity_factor}")
         for name in ("attention_dropout", "hidden_dropout"):
             check(getattr(self, name) == 0.0, name,
                   f"must be 0 for RL, got {getattr(self, name)}: old-policy log-probs are computed without dropout "
@@ -102,6 +135,14 @@ class ParallelConfig:
     """With `full`: recompute uniformly divided layer groups, or the first N layers of each stage."""
     recompute_num_layers: int = 1
     """With `full`: layers per recompute group (`uniform`) or recomputed layers per stage (`block`)."""
+    expert_model_parallel_size: int = 1
+    """EP degree: each rank holds num_moe_experts / EP experts of every MoE layer. The expert groups
+    are carved from TP x DP (Megatron's expert grid), so EP * expert TP must divide TP * DP."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """TP degree inside each expert; None means tensor_model_parallel_size (Megatron's default)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts' ranks: all-to-all (sends each token only where it is routed),
+    or all-gather (every EP rank sees every token; simpler, more traffic). Both run under gloo."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto picks nccl with CUDA, gloo otherwise."""
     distributed_timeout_minutes: int = 30
@@ -138,6 +179,10 @@ class ParallelConfig:
                   "needs pipeline_model_parallel_size > 1 (or null)")
         check(not self.sequence_parallel or self.tensor_model_parallel_size > 1, "sequence_parallel",
               "needs tensor_model_parallel_size > 1")
+        check(self.expert_model_parallel_size >= 1, "expert_model_parallel_size",
+              f"must be >= 1, got {self.expert_model_parallel_size}")
+        check(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+              "expert_tensor_parallel_size", f"must be >= 1 (or null), got {self.expert_tensor_parallel_size}")
         check(self.recompute_num_layers >= 1, "recompute_num_layers", f"must be >= 1, got {self.recompute_num_layers}")
         check(self.distributed_timeout_minutes > 0, "distributed_timeout_minutes",
               f"must be > 0, got {self.distributed_timeout_minutes}")
@@ -202,4 +247,24 @@ class PrecisionConfig:
               f"must be a finite number >= 1 (or null to disable), got {self.tis_cap}")
 
 
-__all__ = ["ModelConfig", "ParallelConfig", "PrecisionConfig"]
+def moe_layout_checks(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Cross-section checks of an MoE model and its expert-parallel layout, naming the key."""
+    ep = parallel.expert_model_parallel_size
+    tp = parallel.tensor_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    experts = model.num_moe_experts
+    check(ep == 1 or experts is not None, "parallel.expert_model_parallel_size",
+          f"is {ep} but the model has no experts (model.num_moe_experts is null)")
+    if experts is None:
+        return
+    check(experts % ep == 0, "parallel.expert_model_parallel_size",
+          f"must divide model.num_moe_experts={experts}, got {ep}")
+    width = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    check(width % etp == 0, "parallel.expert_tensor_parallel_size",
+          f"must divide the expert width (model.moe_ffn_hidden_size or ffn_hidden_size) {width}, got {etp}")
+    # Megatron refuses to train MoE layers at TP > 1 without SP (each TP rank would route every token).
+    check(tp == 1 or parallel.sequence_parallel, "parallel.sequence_parallel",
+          f"must be true for a mixture-of-experts model at tensor_model_parallel_size={tp}")
+
+
+__all__ = ["ModelConfig", "ParallelConfig", "PrecisionConfig", "moe_layout_checks"]

@@ -134,6 +134,11 @@ class RolloutConfig:
     """Top-k filter (0 disables)."""
     batch_size: int = 64
     """Sequences generated together per forward (KV cache batch)."""
+    routing_replay: bool = False
+    """Mixture of experts: record the experts each token is routed to when the old log-probs are
+    computed and force them in the update's forwards, so the ratio compares the same experts
+    (routing replay; the router's scores, hence gate weights and router gradients, stay live).
+    The sampler's own routing is not replayed yet."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rule-track rewards are all equal and sample more
     prompts until the batch holds prompts_per_iteration informative groups (train/sampling.py)."""

@@ -15,7 +15,19 @@ def architecture_of(cfg: ModelConfig) -> dict:
             "vocab_size": cfg.vocab_size, "normalization": cfg.normalization, "norm_epsilon": cfg.norm_epsilon,
             "swiglu": cfg.swiglu, "add_qkv_bias": cfg.add_qkv_bias, "add_bias_linear": cfg.add_bias_linear,
             "position_embedding_type": cfg.position_embedding_type, "rotary_base": float(cfg.rotary_base),
-            "rope_scaling": cfg.rope_scaling or None, "tie_embeddings": cfg.tie_embeddings}
+            "rope_scaling": cfg.rope_scaling or None, "tie_embeddings": cfg.tie_embeddings,
+            "qk_layernorm": cfg.qk_layernorm, **_moe_architecture(cfg.num_moe_experts, cfg.moe_router_topk,
+                                                                  cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+                                                                  or 4 * cfg.hidden_size, cfg.moe_router_pre_softmax)}
+
+
+def _moe_architecture(experts, topk, width, pre_softmax) -> dict:
+    """The MoE fields; all None for a dense model."""
+    if experts is None:
+        return {"num_moe_experts": None, "moe_router_topk": None, "moe_ffn_hidden_size": None,
+                "moe_router_pre_softmax": None}
+    return {"num_moe_experts": experts, "moe_router_topk": topk, "moe_ffn_hidden_size": width,
+            "moe_router_pre_softmax": bool(pre_softmax)}
 
 
 def _architecture_of_chunk(chunk) -> dict:
@@ -26,7 +38,8 @@ def _architecture_of_chunk(chunk) -> dict:
            "kv_channels": c.kv_channels, "normalization": c.normalization, "norm_epsilon": c.layernorm_epsilon,
            "swiglu": c.gated_linear_unit, "add_qkv_bias": c.add_qkv_bias, "add_bias_linear": c.add_bias_linear,
            "tie_embeddings": chunk.share_embeddings_and_output_weights,
-           "position_embedding_type": chunk.position_embedding_type}
+           "position_embedding_type": chunk.position_embedding_type, "qk_layernorm": bool(c.qk_layernorm),
+           **_moe_architecture(c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_router_pre_softmax)}
     if getattr(chunk, "rotary_base", None) is not None:
         out["rotary_base"] = float(chunk.rotary_base)
     return out

@@ -12,7 +12,10 @@ from ..config import ModelConfig
 from .errors import ConversionError
 
 # HF architecture -> model_type.
-SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _BY_TYPE = {v: k for k, v in SUPPORTED.items()}
 
 # Megatron-Core's RotaryEmbedding._apply_scaling (0.16.x) takes only `factor` from the
@@ -99,11 +102,14 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, list[str]]:
     if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise ConversionError("Llama with attention_bias/mlp_bias is not supported: Megatron's add_qkv_bias "
                               "has no o_proj bias and add_bias_linear adds biases HF does not have")
-    if arch == "Qwen2ForCausalLM" and (hf.get("use_sliding_window") or
+    if arch in QK_NORM and hf.get("attention_bias"):
+        raise ConversionError(f"{arch} with attention_bias=true is not supported: it adds an o_proj bias "
+                              "Megatron's add_qkv_bias does not have")
+    if arch in ("Qwen2ForCausalLM", *QK_NORM) and (hf.get("use_sliding_window") or
                                        "sliding_attention" in (hf.get("layer_types") or [])):
-        raise ConversionError("Qwen2 with use_sliding_window=true is not supported (Megatron uses full attention)")
+        raise ConversionError(f"{arch} with use_sliding_window=true is not supported (Megatron uses full attention)")
     max_seq = int(hf.get("max_position_embeddings", 4096))
-    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    window = hf.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
     if window and int(window) < max_seq:
         notes.append(f"sliding_window={window}: the Megatron model uses full attention, identical for "
                      f"sequences up to {window} tokens; max_seq_len set to {window}")
@@ -119,10 +125,48 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, list[str]]:
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         add_qkv_bias=arch == "Qwen2ForCausalLM", add_bias_linear=False, position_embedding_type="rope",
         rotary_base=theta, rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=float(hf.get("initializer_range", 0.02)),
+        init_method_std=float(hf.get("initializer_range", 0.02)), qk_layernorm=arch in QK_NORM,
+        **_moe_fields(hf, arch, notes),
     )
     _validate(cfg)
     return cfg, notes
+
+
+def _moe_fields(hf: dict, arch: str, notes: list[str]) -> dict:
+    """The ModelConfig MoE fields of a Qwen3-MoE or Mixtral config.json; refuses, naming the field,
+    what the Megatron MoE layer cannot reproduce."""
+    if arch not in MOE:
+        return {}
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    topk = hf.get("num_experts_per_tok")
+    if experts is None or topk is None:
+        raise ConversionError(f"config.json has no {'num_experts_per_tok' if experts else 'num_local_experts'}")
+    out = {"num_moe_experts": int(experts), "moe_router_topk": int(topk)}
+    if arch == "Qwen3MoeForCausalLM":
+        step = int(hf.get("decoder_sparse_step", 1))
+        if step != 1:
+            raise ConversionError(f"decoder_sparse_step={step} is not supported: every layer must be an MoE layer")
+        if hf.get("mlp_only_layers"):
+            raise ConversionError(f"mlp_only_layers={hf['mlp_only_layers']} is not supported: every layer must "
+                                  "be an MoE layer")
+        for key in ("shared_expert_intermediate_size", "num_shared_experts"):
+            if hf.get(key):
+                raise ConversionError(f"{key}={hf[key]} is not supported (no shared experts)")
+        if "moe_intermediate_size" not in hf:
+            raise ConversionError("config.json has no moe_intermediate_size")
+        out["moe_ffn_hidden_size"] = int(hf["moe_intermediate_size"])
+        # norm_topk_prob: renormalise the top-k of the full softmax, i.e. softmax over the top-k logits.
+        out["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", False))
+    else:
+        out["moe_ffn_hidden_size"] = int(hf["intermediate_size"])
+    jitter = float(hf.get("router_jitter_noise", 0.0) or 0.0)
+    if jitter:
+        raise ConversionError(f"router_jitter_noise={jitter:g} is not supported: Megatron's router has no "
+                              "multiplicative jitter (set it to 0)")
+    if hf.get("router_aux_loss_coef"):
+        notes.append(f"router_aux_loss_coef={hf['router_aux_loss_coef']} is a training setting: set "
+                     "model.moe_aux_loss_coeff in the training config to use it")
+    return out
 
 
 def _validate(cfg: ModelConfig) -> None:
@@ -135,10 +179,16 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConversionError(f"config.json maps to an invalid model config: {e}") from None
 
 
-def check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Refuse a TP/PP layout the model cannot be split into, naming the quantity."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+def check_layout(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse a TP/PP/EP layout the model cannot be split into, naming the quantity."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"--tp, --pp and --ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if ep > 1 and cfg.num_moe_experts is None:
+        raise ConversionError(f"--ep {ep} needs a mixture-of-experts model; this one is dense (num_moe_experts: null)")
+    if cfg.num_moe_experts is not None and cfg.num_moe_experts % ep:
+        raise ConversionError(f"EP={ep} does not divide num_moe_experts={cfg.num_moe_experts}")
+    if cfg.num_moe_experts is not None and (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 0) % tp:
+        raise ConversionError(f"TP={tp} does not divide moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}")
     groups = cfg.num_query_groups or cfg.num_attention_heads
     problems = []
     if cfg.num_attention_heads % tp:
@@ -155,12 +205,21 @@ def check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str, architecture_name: Optional[str] = None) -> dict:
     """A config.json for ``cfg`` when the checkpoint carries no original one (e.g. trained from scratch)."""
-    arch = architecture_name or ("Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM")
+    arch = architecture_name or _default_architecture(cfg)
     if arch not in SUPPORTED:
         raise ConversionError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED)}")
     if cfg.normalization != "RMSNorm" or not cfg.swiglu or cfg.add_bias_linear or cfg.position_embedding_type != "rope":
         raise ConversionError("only RMSNorm + SwiGLU + RoPE models without linear biases export to "
                               f"{', '.join(SUPPORTED)}")
+    if cfg.qk_layernorm != (arch in QK_NORM):
+        raise ConversionError(f"{arch} {'has' if arch in QK_NORM else 'has no'} QK layernorm, the checkpoint has "
+                              f"qk_layernorm={cfg.qk_layernorm}")
+    if (cfg.num_moe_experts is not None) != (arch in MOE):
+        raise ConversionError(f"{arch} {'is' if arch in MOE else 'is not'} a mixture of experts, the checkpoint has "
+                              f"num_moe_experts={cfg.num_moe_experts}")
+    if arch == "MixtralForCausalLM" and cfg.moe_router_pre_softmax:
+        raise ConversionError("MixtralForCausalLM renormalises the top-k router weights, the checkpoint has "
+                              "moe_router_pre_softmax=true")
     if cfg.add_qkv_bias != (arch == "Qwen2ForCausalLM"):
         raise ConversionError(f"{arch} {'has' if arch == 'Qwen2ForCausalLM' else 'has no'} QKV bias, "
                               f"the checkpoint has add_qkv_bias={cfg.add_qkv_bias}")
@@ -180,8 +239,30 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, architecture_name: Option
         "rope_parameters": rope, "rope_theta": cfg.rotary_base,
         "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
         "initializer_range": cfg.init_method_std, "torch_dtype": torch_dtype,
-        "attention_dropout": 0.0, "use_cache": True,
+        "attention_dropout": 0.0, "use_cache": True, **_moe_config(cfg, arch),
     }
+
+
+def _default_architecture(cfg: ModelConfig) -> str:
+    if cfg.num_moe_experts is not None:
+        return "Qwen3MoeForCausalLM" if cfg.qk_layernorm else "MixtralForCausalLM"
+    if cfg.qk_layernorm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"
+
+
+def _moe_config(cfg: ModelConfig, arch: str) -> dict:
+    out: dict = {"attention_bias": False} if arch in QK_NORM else {}
+    if arch not in MOE:
+        return out
+    experts = {"num_local_experts": cfg.num_moe_experts, "num_experts_per_tok": cfg.moe_router_topk,
+               "output_router_logits": False, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+    if arch == "MixtralForCausalLM":
+        return {**out, **experts, "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                "router_jitter_noise": 0.0}
+    return {**out, **experts, "num_experts": cfg.num_moe_experts, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "moe_intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            "norm_topk_prob": not cfg.moe_router_pre_softmax}
 
 
 def with_dtype(hf: dict, dtype: str) -> dict:

@@ -68,7 +68,7 @@ def _reader(hf: HFCheckpoint, shapes: dict, target: torch.dtype) -> Callable[[st
     return get
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: Optional[str] = None,
                 overwrite: bool = False, progress: bool = True, log: Callable[[str], None] = print) -> dict:
     """Convert; returns a summary. Raises ConversionError for any input it cannot convert exactly."""
     from megatron.core import dist_checkpointing
@@ -80,7 +80,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
     cfg, notes = model_config_from_hf(hf.config)
     for note in notes:
         log(f"note: {note}")
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     _check_names(hf, cfg)
@@ -113,7 +113,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
             dist_checkpointing.save(attach_staged(sharded, stager), str(tmp))
         write_model_config(tmp, cfg, dtype_name, source={"type": "huggingface", "architecture": arch,
                                                          "path": str(Path(hf_dir).resolve()),
-                                                         "converted_for": {"tp": tp, "pp": pp}})
+                                                         "converted_for": {"tp": tp, "pp": pp, "ep": ep}})
         shutil.copy2(hf.path / "config.json", tmp / HF_CONFIG_FILE)
         copied = copy_tokenizer_files(hf.path, tmp / TOKENIZER_DIR)
     return {"out": str(out), "architecture": arch, "dtype": dtype_name, "layers": cfg.num_layers,

@@ -12,7 +12,12 @@ converter holds one unit at a time:
 
 - q/k/v -> ``linear_qkv`` in Megatron's grouped layout ``[groups, (heads/groups + 2) * head_dim, ...]``:
   for each query group, its query heads, then its key head, then its value head;
-- gate/up -> ``linear_fc1`` as ``[gate; up]``;
+- gate/up -> ``linear_fc1`` as ``[gate; up]`` (also in each expert);
+- Qwen3's ``q_norm``/``k_norm`` -> ``q_layernorm``/``k_layernorm``;
+- an MoE layer's router (Qwen3-MoE ``mlp.gate``, Mixtral ``block_sparse_moe.gate``) -> ``mlp.router``,
+  and expert ``e`` (``gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w3``/``w2``) ->
+  ``mlp.experts.local_experts.e``. Each expert is a unit of its own, so a converter holds one
+  expert at a time, not a whole MoE layer;
 - the vocabulary is unpadded here; padding to Megatron's size is the checkpoint writer's job.
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from ..config import ModelConfig
 
-Unit = Union[str, int]  # "embedding", a layer index, or "final"
+Unit = Union[str, int, tuple]  # "embedding", a layer index, (layer, expert), or "final"
 
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -40,13 +45,21 @@ def canonical_name(name: str) -> str:
     return name
 
 
+_EXPERT = ".mlp.experts.local_experts."
+
+
 def units(cfg: ModelConfig) -> list[Unit]:
-    return ["embedding", *range(cfg.num_layers), "final"]
+    experts = cfg.num_moe_experts or 0
+    layers = [u for i in range(cfg.num_layers) for u in (i, *((i, e) for e in range(experts)))]
+    return ["embedding", *layers, "final"]
 
 
 def unit_of(canonical: str) -> Unit:
     if canonical.startswith("decoder.layers."):
-        return int(canonical.split(".")[2])
+        layer = int(canonical.split(".")[2])
+        if _EXPERT in canonical:
+            return layer, int(canonical.split(_EXPERT)[1].split(".")[0])
+        return layer
     if canonical.startswith("embedding."):
         return "embedding"
     return "final"
@@ -70,6 +83,10 @@ def hf_shapes(cfg: ModelConfig, unit: Unit) -> dict[str, tuple[int, ...]]:
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = (cfg.vocab_size, h)
         return out
+    if isinstance(unit, tuple):
+        expert_ffn = cfg.moe_ffn_hidden_size or ffn
+        gate, up, down = _expert_names(cfg, *unit)
+        return {gate: (expert_ffn, h), up: (expert_ffn, h), down: (h, expert_ffn)}
     p = f"model.layers.{unit}."
     out = {p + "input_layernorm.weight": (h,),
            p + "self_attn.q_proj.weight": (heads * hd, h),
@@ -78,11 +95,36 @@ def hf_shapes(cfg: ModelConfig, unit: Unit) -> dict[str, tuple[int, ...]]:
     if cfg.add_qkv_bias:
         out.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (groups * hd,),
                     p + "self_attn.v_proj.bias": (groups * hd,)})
-    out.update({p + "self_attn.o_proj.weight": (h, heads * hd),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+    if cfg.qk_layernorm:
+        out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    out.update({p + "self_attn.o_proj.weight": (h, heads * hd), p + "post_attention_layernorm.weight": (h,)})
+    if cfg.num_moe_experts is not None:
+        out[_router_name(cfg, unit)] = (cfg.num_moe_experts, h)
+        return out
+    out.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
                 p + "mlp.down_proj.weight": (h, ffn)})
     return out
+
+
+def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
+    # Qwen3-MoE (the family with QK layernorm) names its MoE block `mlp`, Mixtral `block_sparse_moe`.
+    return f"model.layers.{layer}." + ("mlp." if cfg.qk_layernorm else "block_sparse_moe.")
+
+
+def _router_name(cfg: ModelConfig, layer: int) -> str:
+    return _moe_prefix(cfg, layer) + "gate.weight"
+
+
+def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """HF names of (gate, up, down) of one expert."""
+    p = f"{_moe_prefix(cfg, layer)}experts.{expert}."
+    if cfg.qk_layernorm:
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+    return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+
+
+def _expert_canonical(layer: int, expert: int) -> str:
+    return f"decoder.layers.{layer}{_EXPERT}{expert}."
 
 
 def all_hf_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -127,6 +169,12 @@ def iter_hf_to_canonical(cfg: ModelConfig, unit: Unit, get: Callable[[str], torc
         if not cfg.tie_embeddings:
             yield OUTPUT, (get("lm_head.weight"),)
         return
+    if isinstance(unit, tuple):
+        gate, up, down = _expert_names(cfg, *unit)
+        e = _expert_canonical(*unit)
+        yield e + "linear_fc1.weight", (get(gate), get(up))
+        yield e + "linear_fc2.weight", (get(down),)
+        return
     heads, groups, _ = _dims(cfg)
     p, m = f"model.layers.{unit}.", f"decoder.layers.{unit}."
     a = p + "self_attn."
@@ -136,8 +184,14 @@ def iter_hf_to_canonical(cfg: ModelConfig, unit: Unit, get: Callable[[str], torc
     if cfg.add_qkv_bias:
         yield m + "self_attention.linear_qkv.bias", (qkv_to_mcore(
             get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"), heads, groups),)
+    if cfg.qk_layernorm:
+        yield m + "self_attention.q_layernorm.weight", (get(a + "q_norm.weight"),)
+        yield m + "self_attention.k_layernorm.weight", (get(a + "k_norm.weight"),)
     yield m + "self_attention.linear_proj.weight", (get(a + "o_proj.weight"),)
     yield m + "mlp.linear_fc1.layer_norm_weight", (get(p + "post_attention_layernorm.weight"),)
+    if cfg.num_moe_experts is not None:
+        yield m + "mlp.router.weight", (get(_router_name(cfg, unit)),)
+        return
     yield m + "mlp.linear_fc1.weight", (get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))
     yield m + "mlp.linear_fc2.weight", (get(p + "mlp.down_proj.weight"),)
 
@@ -152,6 +206,11 @@ def canonical_to_hf(cfg: ModelConfig, unit: Unit, can: dict[str, torch.Tensor]) 
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = can[OUTPUT][: cfg.vocab_size]
         return out
+    if isinstance(unit, tuple):
+        gate_name, up_name, down_name = _expert_names(cfg, *unit)
+        e = _expert_canonical(*unit)
+        gate, up = torch.chunk(can[e + "linear_fc1.weight"], 2, dim=0)
+        return {gate_name: gate.contiguous(), up_name: up.contiguous(), down_name: can[e + "linear_fc2.weight"]}
     heads, groups, hd = _dims(cfg)
     p, m = f"model.layers.{unit}.", f"decoder.layers.{unit}."
     q, k, v = qkv_from_mcore(can[m + "self_attention.linear_qkv.weight"], heads, groups, hd)
@@ -161,9 +220,15 @@ def canonical_to_hf(cfg: ModelConfig, unit: Unit, can: dict[str, torch.Tensor]) 
         qb, kb, vb = qkv_from_mcore(can[m + "self_attention.linear_qkv.bias"], heads, groups, hd)
         out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
                     p + "self_attn.v_proj.bias": vb})
-    gate, up = torch.chunk(can[m + "mlp.linear_fc1.weight"], 2, dim=0)
+    if cfg.qk_layernorm:
+        out.update({p + "self_attn.q_norm.weight": can[m + "self_attention.q_layernorm.weight"],
+                    p + "self_attn.k_norm.weight": can[m + "self_attention.k_layernorm.weight"]})
     out.update({p + "self_attn.o_proj.weight": can[m + "self_attention.linear_proj.weight"],
-                p + "post_attention_layernorm.weight": can[m + "mlp.linear_fc1.layer_norm_weight"],
-                p + "mlp.gate_proj.weight": gate.contiguous(), p + "mlp.up_proj.weight": up.contiguous(),
+                p + "post_attention_layernorm.weight": can[m + "mlp.linear_fc1.layer_norm_weight"]})
+    if cfg.num_moe_experts is not None:
+        out[_router_name(cfg, unit)] = can[m + "mlp.router.weight"]
+        return out
+    gate, up = torch.chunk(can[m + "mlp.linear_fc1.weight"], 2, dim=0)
+    out.update({p + "mlp.gate_proj.weight": gate.contiguous(), p + "mlp.up_proj.weight": up.contiguous(),
                 p + "mlp.down_proj.weight": can[m + "mlp.linear_fc2.weight"]})
     return out

@@ -16,7 +16,7 @@ from .errors import ConversionError
 from .hf_config import architecture, hf_config_from_model, model_config_from_hf, with_dtype
 from .hf_files import (SafetensorsStreamWriter, copy_tokenizer_files, fill_token_ids, missing_export_files,
                        plan_shards)
-from .layout import all_hf_shapes, canonical_to_hf, hf_shapes
+from .layout import all_hf_shapes, canonical_to_hf, hf_shapes, units
 from .compat import architecture_of
 from .mcore_format import (DTYPES, HF_CONFIG_FILE, TOKENIZER_DIR, output_dtype, read_checkpoint_info,
                            read_model_config, resolve_checkpoint_dir)
@@ -74,7 +74,7 @@ def mcore_to_hf(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str] 
         with staged_dir(out, overwrite) as tmp:
             writers: dict[int, SafetensorsStreamWriter] = {}
             try:
-                for unit, can in tqdm(iter_checkpoint_units(path, cfg), total=cfg.num_layers + 2,
+                for unit, can in tqdm(iter_checkpoint_units(path, cfg), total=len(units(cfg)),
                                       desc="mcore-to-hf", unit="unit", disable=not progress):
                     tensors = canonical_to_hf(cfg, unit, can)
                     del can

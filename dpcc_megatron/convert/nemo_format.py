@@ -229,6 +229,10 @@ def nemo_config_args(cfg: ModelConfig) -> tuple[str, tuple[str, str], dict]:
     if cfg.normalization != "RMSNorm" or not cfg.swiglu or cfg.add_bias_linear or cfg.position_embedding_type != "rope":
         raise ConversionError("only RMSNorm + SwiGLU + RoPE models without linear biases (Llama, Qwen2, Mistral) "
                               "are written as NeMo checkpoints")
+    for field in ("num_moe_experts", "qk_layernorm"):
+        if getattr(cfg, field):
+            raise ConversionError(f"{field}={getattr(cfg, field)}: NeMo 2 checkpoints are written for Llama, Qwen2 "
+                                  "and Mistral only (not for Qwen3, Qwen3-MoE or Mixtral yet)")
     heads = cfg.num_attention_heads
     args = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "ffn_hidden_size": cfg.ffn_hidden_size or 4 * cfg.hidden_size, "num_attention_heads": heads,

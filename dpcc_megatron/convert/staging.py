@@ -67,7 +67,7 @@ def staged_targets(sharded: dict, prefix: str = "") -> dict[str, tuple]:
         canon = _canonical(name, prefix)
         if isinstance(sh, ShardedTensor):
             out[canon] = ("tensor", tuple(sh.local_shape))
-        elif isinstance(sh, ShardedTensorFactory) and canon.endswith("mlp.linear_fc1.weight"):
+        elif isinstance(sh, ShardedTensorFactory) and canon.endswith("linear_fc1.weight"):  # also experts
             out[canon] = ("swiglu", [tuple(p.local_shape) for p in sh.build()])
         else:
             raise ConversionError(f"unexpected entry {name} ({type(sh).__name__}) in the model's sharded state dict")

@@ -27,10 +27,10 @@ DEFAULT_ATOL = {"fp32": 1e-3, "bf16": 0.5, "fp16": 0.25}
 
 
 def mcore_logits(ckpt_dir: str | Path, tokens: torch.Tensor, tp: int, pp: int, params_dtype: str = "fp32",
-                 transformer_engine: bool = False) -> Optional[torch.Tensor]:
+                 transformer_engine: bool = False, ep: int = 1, etp: Optional[int] = None) -> Optional[torch.Tensor]:
     """Collective, on an initialised torch.distributed job with no model parallel state yet.
 
-    Builds the model at TP/PP, loads ``ckpt_dir``, runs one forward-only pipeline pass over
+    Builds the model at TP/PP (and expert parallel EP, expert TP ``etp``), loads ``ckpt_dir``, runs one forward-only pipeline pass over
     ``tokens`` [batch, seq] and returns fp32 logits [batch, seq, vocab] (padding columns
     dropped) on the rank that holds the last stage at TP rank 0 and DP rank 0; None elsewhere.
     Tears the parallel state down again, so it can be called repeatedly."""
@@ -44,9 +44,12 @@ def mcore_logits(ckpt_dir: str | Path, tokens: torch.Tensor, tp: int, pp: int, p
     from .mcore_load import load_mcore_checkpoint
 
     cfg = read_model_config(ckpt_dir)
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
+    # Megatron's MoE layers at TP > 1 run with sequence parallelism (as training must).
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              use_distributed_optimizer=False)
+                              use_distributed_optimizer=False, expert_model_parallel_size=ep,
+                              expert_tensor_parallel_size=etp,
+                              sequence_parallel=tp > 1 and cfg.num_moe_experts is not None)
     init_model_parallel(parallel, seed=0)
     try:
         model = build_gpt_model(cfg, parallel, PrecisionConfig(params_dtype=params_dtype,
@@ -110,12 +113,22 @@ def compare(ref: torch.Tensor, got: torch.Tensor, tokens: torch.Tensor) -> dict:
             "argmax_agreement": float((ref.argmax(-1) == got.argmax(-1)).double().mean())}
 
 
+def world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The fewest ranks that hold TP x PP and, carved from TP x DP, the expert grid ETP x EP."""
+    import math
+
+    expert = ep * (etp or tp)
+    return tp * pp * (expert // math.gcd(tp, expert))
+
+
 def _run_ranks(mcore: Path, tokens_file: Path, out_file: Path, tp: int, pp: int, params_dtype: str,
-               transformer_engine: bool, timeout: float) -> None:
+               transformer_engine: bool, timeout: float, ep: int = 1, etp: Optional[int] = None) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={tp * pp}", "-m", "dpcc_megatron.convert.verify_worker",
+           f"--nproc-per-node={world_size(tp, pp, ep, etp)}", "-m", "dpcc_megatron.convert.verify_worker",
            "--mcore", str(mcore), "--tokens", str(tokens_file), "--out", str(out_file),
-           "--tp", str(tp), "--pp", str(pp), "--params-dtype", params_dtype]
+           "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--params-dtype", params_dtype]
+    if etp is not None:
+        cmd += ["--etp", str(etp)]
     if transformer_engine:
         cmd.append("--transformer-engine")
     env = dict(os.environ)
@@ -133,7 +146,8 @@ def _run_ranks(mcore: Path, tokens_file: Path, out_file: Path, tp: int, pp: int,
         raise ConversionError("the Megatron ranks exited without writing logits")
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
+def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+           etp: Optional[int] = None, batch: int = 2,
            seq_len: int = 32, seed: int = 0, atol: Optional[float] = None, params_dtype: Optional[str] = None,
            transformer_engine: bool = False, hf_device: str = "cpu", timeout: float = 3600.0,
            log: Callable[[str], None] = print, memory_only: bool = False) -> dict:
@@ -157,11 +171,13 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 
     diffs = [f"{k}: Megatron {want[k]!r}, HF {have[k]!r}" for k in want if want[k] != have[k]]
     if diffs:
         raise ConversionError("the two checkpoints are different architectures:\n  " + "\n  ".join(diffs))
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
+    if etp is not None and (etp < 1 or (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 0) % etp):
+        raise ConversionError(f"--etp {etp} must be >= 1 and divide moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}")
     if batch < 1 or seq_len < 2:
         raise ConversionError(f"--batch must be >= 1 and --seq-len >= 2, got {batch} and {seq_len}")
     atol = DEFAULT_ATOL[params_dtype] if atol is None else atol
-    need = memory_need(cfg, params_dtype, tp, pp, batch, seq_len)
+    need = memory_need(cfg, params_dtype, tp, pp, batch, seq_len, ranks=world_size(tp, pp, ep, etp))
     log(describe_need(need))
     if memory_only:
         return need
@@ -170,13 +186,13 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 
     with tempfile.TemporaryDirectory(prefix="dpcc-verify-") as tmp:
         tokens_file, out_file = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
         torch.save(tokens, tokens_file)
-        log(f"running the Megatron model on {tp * pp} rank(s) (TP={tp}, PP={pp}) ...")
-        _run_ranks(mcore, tokens_file, out_file, tp, pp, params_dtype, transformer_engine, timeout)
+        log(f"running the Megatron model on {world_size(tp, pp, ep, etp)} rank(s) (TP={tp}, PP={pp}, EP={ep}) ...")
+        _run_ranks(mcore, tokens_file, out_file, tp, pp, params_dtype, transformer_engine, timeout, ep, etp)
         got = torch.load(out_file, weights_only=True)
     log("running the HF model ...")
     ref = hf_logits(hf_dir, tokens, hf_device, DTYPES[params_dtype])
     report = compare(ref, got, tokens)
-    report.update(tp=tp, pp=pp, batch=batch, seq_len=seq_len, params_dtype=params_dtype, atol=atol,
+    report.update(tp=tp, pp=pp, ep=ep, batch=batch, seq_len=seq_len, params_dtype=params_dtype, atol=atol,
                   memory_estimate_gib=round(need["bytes"] / float(1 << 30), 2))
     report["ok"] = report["max_abs_logit_diff"] <= atol and report["max_abs_logprob_diff"] <= atol
     return report

@@ -6,7 +6,7 @@ PROCESS_OVERHEAD_BYTES = 512 << 20
 the CPU build (torch 2.13, megatron-core 0.16.1), rounded up."""
 
 
-def memory_need(cfg, params_dtype: str, tp: int, pp: int, batch: int, seq_len: int) -> dict:
+def memory_need(cfg, params_dtype: str, tp: int, pp: int, batch: int, seq_len: int, ranks: int = 0) -> dict:
     """Host memory ``verify`` needs, in bytes, and how it adds up (an estimate, not a measurement).
 
     The Megatron ranks run first and exit before the HF model loads, so the peak is the larger of
@@ -19,7 +19,7 @@ def memory_need(cfg, params_dtype: str, tp: int, pp: int, batch: int, seq_len: i
     width = DTYPES[params_dtype].itemsize
     params = model_shape(cfg).total_params(tp)
     logits = batch * seq_len * cfg.vocab_size * (4 * 3 + 8 * 4)  # fp32 copies + fp64 diff/log-softmax
-    ranks = tp * pp
+    ranks = ranks or tp * pp  # verify starts more where an expert grid needs them
     mcore = 2 * params * width + ranks * PROCESS_OVERHEAD_BYTES + logits
     hf = params * width + PROCESS_OVERHEAD_BYTES + logits
     return {"bytes": max(mcore, hf), "megatron_phase_bytes": mcore, "hf_phase_bytes": hf, "params": params,

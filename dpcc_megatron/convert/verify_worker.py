@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None)
     p.add_argument("--params-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--transformer-engine", action="store_true")
     args = p.parse_args(argv)
@@ -30,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed()
     try:
         tokens = torch.load(args.tokens, weights_only=True)
-        logits = mcore_logits(args.mcore, tokens, args.tp, args.pp, args.params_dtype, args.transformer_engine)
+        logits = mcore_logits(args.mcore, tokens, args.tp, args.pp, args.params_dtype, args.transformer_engine,
+                              ep=args.ep, etp=args.etp)
         if logits is not None:
             tmp = f"{args.out}.tmp-{os.getpid()}"
             torch.save(logits, tmp)

@@ -18,6 +18,15 @@ counts the same tensors term by term, so it also covers GQA (K/V of ``g*d`` colu
 log-sum-exp per head and token), no dropout (no masks) and FP8 (linear inputs kept in one
 byte). With ``a = g``, ``f = 4h``, GELU, dropout and no flash attention it is exactly 34.
 
+**Mixture of experts.** An MoE layer replaces the dense MLP by a router (``E x h``, replicated)
+and E experts of width ``f_e``; each rank holds ``E / EP`` experts split over expert-TP, so expert
+weights, their fp32 grads and their optimizer state (sharded over the expert data-parallel group,
+``TP x DP x CP / (EP x ETP)``) are terms of their own. Activations assume balanced routing: each
+GPU's experts see ``k`` routed copies of its (sequence-parallel) tokens, times ETP (tokens are
+gathered over expert-TP), and the dispatcher keeps a permuted copy for the combine. The
+all-to-all send and receive buffers of one layer are a transient train-phase term. A hot expert
+receives more than its share: these are estimates for balanced routing.
+
 **Pipeline.** Under 1F1B, stage i holds ``min(p - i, m)`` micro-batches in flight; with v
 interleaved chunks it holds ``min(2*(p-i-1) + (v-1)*p + 1, m*v)`` chunk-micro-batches, so the
 first stage holds L layers' worth, times ``1 + (p-1)/(p*v)`` when interleaved (the paper's
@@ -52,26 +61,54 @@ class ModelShape:
     linear_bias: bool = False
     learned_positions: int = 0
     """Rows of a learned absolute position table (0 with RoPE)."""
+    experts: int = 0
+    """Routed experts per layer (0: a dense MLP)."""
+    topk: int = 0
+    """Experts each token is routed to."""
+    expert_ffn: int = 0
+    """Each expert's MLP width."""
+    qk_norm: bool = False
+    """Per-head query and key norms (Qwen3)."""
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron pads the vocabulary to a multiple of ``vocab_divisor * tp``."""
         m = self.vocab_divisor * tp
         return -(-self.vocab // m) * m
 
-    def linear_params_per_layer(self) -> int:
+    def dense_linear_params_per_layer(self) -> int:
+        """The layer's TP-split linear weights: attention, and the MLP unless it is an MoE layer."""
         q, kv = self.heads * self.head_dim, self.kv_groups * self.head_dim
         attn = self.hidden * (q + 2 * kv) + q * self.hidden
-        mlp = self.hidden * self.ffn * (3 if self.swiglu else 2)
+        mlp = 0 if self.experts else self.hidden * self.ffn * (3 if self.swiglu else 2)
         bias = (q + 2 * kv) if (self.qkv_bias or self.linear_bias) else 0
         if self.linear_bias:  # out-proj, fc1 (gate and up), fc2
             bias += 2 * self.hidden + self.ffn * (2 if self.swiglu else 1)
         return attn + mlp + bias
 
+    def one_expert_params(self) -> int:
+        return self.hidden * self.expert_ffn * (3 if self.swiglu else 2)
+
+    def expert_params_per_layer(self) -> int:
+        """Every expert of one MoE layer (0 for a dense model)."""
+        return self.experts * self.one_expert_params()
+
+    def router_params(self) -> int:
+        return self.experts * self.hidden
+
+    def linear_params_per_layer(self) -> int:
+        """Linear weights one token passes through in a layer (the FLOP count): with MoE, the router
+        and its top-k experts only."""
+        return self.dense_linear_params_per_layer() + self.router_params() + self.topk * self.one_expert_params()
+
     def norm_params(self) -> int:
         return self.hidden * (2 if self.layernorm else 1)
 
+    def small_params_per_layer(self) -> int:
+        """Replicated over TP: the two norms, QK norms, the router."""
+        return 2 * self.norm_params() + (2 * self.head_dim if self.qk_norm else 0) + self.router_params()
+
     def layer_params(self) -> int:
-        return self.linear_params_per_layer() + 2 * self.norm_params()
+        return self.dense_linear_params_per_layer() + self.expert_params_per_layer() + self.small_params_per_layer()
 
     def total_params(self, tp: int = 1) -> int:
         emb = self.padded_vocab(tp) * self.hidden
@@ -91,10 +128,23 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    ep: int = 1
+    """Expert parallelism: experts split over EP ranks carved from TP x DP x CP."""
+    etp: Optional[int] = None
+    """Tensor parallelism inside each expert; None: TP."""
 
     @property
     def chunks(self) -> int:
         return self.vpp or 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> float:
+        """Ranks holding the same expert shard: TP x DP x CP / (EP x ETP)."""
+        return self.tp * self.dp * self.cp / (self.ep * self.expert_tp)
 
     @property
     def gpus(self) -> int:
@@ -165,7 +215,7 @@ def layers_on_stage(model: ModelShape, layout: Layout) -> int:
 def stage_params(model: ModelShape, layout: Layout, stage: int) -> float:
     """Parameters held by one GPU of pipeline stage ``stage`` (linear weights split over TP)."""
     t = layout.tp
-    n = layers_on_stage(model, layout) * (model.linear_params_per_layer() / t + 2 * model.norm_params())
+    n = layers_on_stage(model, layout) * (model.dense_linear_params_per_layer() / t + model.small_params_per_layer())
     emb = model.padded_vocab(t) * model.hidden / t
     if stage == 0:
         n += emb + model.learned_positions * model.hidden
@@ -177,6 +227,11 @@ def stage_params(model: ModelShape, layout: Layout, stage: int) -> float:
     return n
 
 
+def stage_expert_params(model: ModelShape, layout: Layout) -> float:
+    """Expert parameters on one GPU: its E / EP experts of each layer on the stage, split over expert-TP."""
+    return layers_on_stage(model, layout) * model.expert_params_per_layer() / (layout.ep * layout.expert_tp)
+
+
 def bytes_per_param(work: Workload, layout: Layout) -> tuple[float, float, float]:
     """(weights, grads, optimizer state) bytes per parameter on one GPU."""
     mixed = work.params_dtype in ("bf16", "fp16")
@@ -186,6 +241,13 @@ def bytes_per_param(work: Workload, layout: Layout) -> tuple[float, float, float
     if layout.distributed_optimizer:
         state /= layout.dp * layout.cp  # sharded over the DP x CP group
     return weight, grad, state
+
+
+def expert_routed_tokens(model: ModelShape, layout: Layout, work: Workload) -> float:
+    """(token, expert) pairs one GPU's experts process per layer and micro-batch, balanced routing:
+    its (sequence-parallel) tokens x top-k, gathered over expert-TP."""
+    local = work.seq_len / layout.cp * work.micro_batch / (layout.tp if layout.sequence_parallel else 1)
+    return local * model.topk * layout.expert_tp
 
 
 # -- activations -----------------------------------------------------------------------------------
@@ -213,14 +275,22 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload, *,
     # Inside the TP region (always split over t): Q, K, V, attention output (out-proj input),
     # the MLP's first output (activation input) and the activation output (fc2 input).
     inside = e * (q + 2 * kv) + lin * q
-    inside += e * s * b * model.ffn * (2 if model.swiglu else 1) + lin * s * b * model.ffn
+    if model.experts:
+        # Router logits and scores (fp32) per local token; per routed copy: the expert input, its fc1
+        # output and activation output (split over expert-TP), and the permuted copy for the combine.
+        r = s * b / (t if sp else 1) * model.topk * layout.expert_tp  # see expert_routed_tokens
+        fe, et = model.expert_ffn, layout.expert_tp
+        experts = 2 * 4 * model.experts * sbh / h / (t if sp else 1)
+        experts += r * (lin * h + e * h + (e * fe * (2 if model.swiglu else 1) + lin * fe) / et)
+    else:
+        inside += e * s * b * model.ffn * (2 if model.swiglu else 1) + lin * s * b * model.ffn
     if work.flash_attention:
         inside += 4 * a * s * b  # fp32 log-sum-exp per head and token
     elif recompute != "selective":
         # softmax output (2), dropout mask (1) and dropout output (2) per score
         score = a * s * s * b * cp  # a context-parallel rank attends its s queries to all keys
         inside += score * (2 + (3 if work.attention_dropout else 0))
-    return outside / (t if sp else 1) + inside / t
+    return outside / (t if sp else 1) + inside / t + (experts if model.experts else 0.0)
 
 
 def in_flight(stage: int, layout: Layout, num_microbatches: int) -> int:
@@ -250,8 +320,21 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
              + (f", sharded over DPxCP={d_opt} (distributed optimizer)" if layout.distributed_optimizer
                 else ", replicated on every DP rank (distributed optimizer off)")),
     ]
+    if model.experts:
+        ep_params = stage_expert_params(model, layout)
+        ep_state = o * (layout.dp * layout.cp / layout.expert_dp if layout.distributed_optimizer else 1)
+        terms += [
+            Term("expert weights", "static", ep_params * w,
+                 f"{ep_params / 1e9:.3f}B expert params on this GPU: {model.experts}/EP={layout.ep} experts x "
+                 f"{layers_on_stage(model, layout)} layers / expert-TP={layout.expert_tp}, x {w:g} B"),
+            Term("expert grads", "static", ep_params * g, f"fp32 main-grad buffer of the experts, {g:g} B/param"),
+            Term("expert optimizer", "static", ep_params * ep_state,
+                 "fp32 main params + Adam m, v of the experts"
+                 + (f", sharded over the expert data-parallel group of {layout.expert_dp:g}"
+                    if layout.distributed_optimizer else ", not sharded (distributed optimizer off)")),
+        ]
     if work.fp8:
-        lin = layers_on_stage(model, layout) * model.linear_params_per_layer() / t
+        lin = layers_on_stage(model, layout) * model.dense_linear_params_per_layer() / t
         terms.append(Term("fp8 weight copies", "static", 2 * lin,
                           "Transformer Engine caches an FP8 weight and its transpose per linear layer"))
     if work.ref_model and not work.ref_offload:
@@ -281,6 +364,11 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
         act += mbs * sb * (8 + (model.hidden / (t if layout.sequence_parallel else 1)
                                 if work.hidden_dropout else 0))
     terms.append(Term("activations", "train", act, why))
+    if model.experts:
+        r = expert_routed_tokens(model, layout, work)
+        terms.append(Term("all-to-all buffers", "train", 2 * r * model.hidden * work.act_bytes,
+                          f"one MoE layer's token dispatch: send and receive buffers of {r:.0f} routed tokens x "
+                          f"hidden {model.hidden} (balanced routing; EP={layout.ep})"))
 
     if stage == p - 1:
         vloc = model.padded_vocab(t) / t
@@ -346,5 +434,5 @@ def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
 
 
 __all__ = ["GIB", "RECOMPUTE", "Layout", "ModelShape", "StageMemory", "Term", "Workload", "bubble_fraction",
-           "bytes_per_param", "estimate", "in_flight", "layer_activation_bytes", "layers_on_stage",
-           "peak_stage", "stage_params", "stage_terms"]
+           "bytes_per_param", "estimate", "expert_routed_tokens", "in_flight", "layer_activation_bytes", "layers_on_stage",
+           "peak_stage", "stage_expert_params", "stage_params", "stage_terms"]

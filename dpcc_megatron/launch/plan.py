@@ -32,6 +32,8 @@ class PlanOptions:
     """none | selective | full; None: the config's parallel.recompute_granularity, else none."""
     micro_batch: Optional[int] = None
     sequence_parallel: Optional[bool] = None
+    ep: Optional[int] = None
+    """Expert parallel size; None: the config's parallel.expert_model_parallel_size."""
     reserve_gib: float = 4.0
     logits_chunk: int = 1024
     hardware: Hardware = field(default_factory=Hardware)
@@ -84,7 +86,7 @@ class Plan:
         L = self.layout
         return {"fits": self.fits, "peak_gib_per_gpu": round(self.peak_gib, 2), "peak_stage": self.peak.stage,
                 "peak_phase": self.peak.peak_phase, "gpu_mem_gib": self.gpu_mem_gib, "gpus": L.gpus,
-                "tp": L.tp, "pp": L.pp, "vpp": L.vpp, "cp": L.cp, "dp": L.dp,
+                "tp": L.tp, "pp": L.pp, "vpp": L.vpp, "cp": L.cp, "dp": L.dp, "ep": L.ep, "etp": L.expert_tp,
                 "sequence_parallel": L.sequence_parallel, "distributed_optimizer": L.distributed_optimizer,
                 "recompute": self.work.recompute, "micro_batch": self.work.micro_batch,
                 "num_microbatches": self.work.num_microbatches,
@@ -104,7 +106,17 @@ def model_shape(model: Any) -> ModelShape:
         vocab=model.vocab_size, vocab_divisor=model.make_vocab_size_divisible_by, swiglu=model.swiglu,
         tied_embeddings=model.tie_embeddings, layernorm=model.normalization == "LayerNorm",
         qkv_bias=model.add_qkv_bias, linear_bias=model.add_bias_linear,
-        learned_positions=model.max_seq_len if model.position_embedding_type == "learned_absolute" else 0)
+        learned_positions=model.max_seq_len if model.position_embedding_type == "learned_absolute" else 0,
+        **_moe_shape(model))
+
+
+def _moe_shape(model: Any) -> dict:
+    experts = getattr(model, "num_moe_experts", None)
+    out = {"qk_norm": bool(getattr(model, "qk_layernorm", False))}
+    if experts:
+        out.update(experts=experts, topk=model.moe_router_topk,
+                   expert_ffn=model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
+    return out
 
 
 def training_seq_len(cfg: Any) -> int:
@@ -131,6 +143,7 @@ def layout_problems(cfg: Any, layout: Layout, gpus: int, micro: int) -> list[str
         out.append(f"model.num_layers={shape.num_layers} is not divisible by {what}")
     if layout.sequence_parallel and t == 1:
         out.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    out += _expert_problems(shape, layout, gpus)
     seq = training_seq_len(cfg)
     if layout.cp > 1 and seq % (2 * layout.cp):
         out.append(f"training sequence {seq} is not divisible by 2 x CP = {2 * layout.cp}")
@@ -151,6 +164,24 @@ def layout_problems(cfg: Any, layout: Layout, gpus: int, micro: int) -> list[str
                        f"micro-batches per step, train.mini_batch_size / (DP {d} x train.micro_batch_size "
                        f"{micro}) = {tr.mini_batch_size // (d * micro)}, to be a multiple of "
                        f"pipeline_model_parallel_size={p}")
+    return out
+
+
+def _expert_problems(shape: ModelShape, layout: Layout, gpus: int) -> list[str]:
+    ep, et = layout.ep, layout.expert_tp
+    if not shape.experts:
+        return [f"expert_model_parallel_size={ep} needs a mixture-of-experts model"] if ep > 1 else []
+    out = []
+    if shape.experts % ep:
+        out.append(f"model.num_moe_experts={shape.experts} is not divisible by expert_model_parallel_size={ep}")
+    if shape.expert_ffn % et:
+        out.append(f"the expert width {shape.expert_ffn} is not divisible by expert_tensor_parallel_size={et}")
+    per_stage = gpus // layout.pp
+    if per_stage % (ep * et):
+        out.append(f"expert_model_parallel_size={ep} x expert_tensor_parallel_size={et} does not divide the "
+                   f"{per_stage} GPUs of a pipeline stage")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        out.append("a mixture-of-experts model at tensor_model_parallel_size > 1 needs sequence_parallel")
     return out
 
 
@@ -190,7 +221,10 @@ def _plan(cfg: Any, opts: PlanOptions, t: int, p: int, v: Optional[int], sp: boo
             raise ValueError(f"{name} must be >= 1, got {value}")
     gpus = opts.gpus or t * p * opts.cp
     dp = max(1, gpus // (t * p * opts.cp))
-    layout = Layout(tp=t, pp=p, vpp=v, cp=opts.cp, dp=dp, sequence_parallel=sp, distributed_optimizer=dist_opt)
+    par = cfg.parallel
+    layout = Layout(tp=t, pp=p, vpp=v, cp=opts.cp, dp=dp, sequence_parallel=sp, distributed_optimizer=dist_opt,
+                    ep=opts.ep or getattr(par, "expert_model_parallel_size", 1),
+                    etp=getattr(par, "expert_tensor_parallel_size", None))
     micro = opts.micro_batch or cfg.train.micro_batch_size
     problems = layout_problems(cfg, layout, gpus, micro)
     seq = training_seq_len(cfg)
@@ -258,10 +292,14 @@ def format_plan(plan: Plan, title: str = "") -> str:
         lines.append(title)
     lines.append(f"model     {m.total_params(L.tp) / 1e9:.2f}B params: {m.num_layers} layers, hidden {m.hidden}, "
                  f"ffn {m.ffn}{' (SwiGLU)' if m.swiglu else ''}, heads {m.heads}/{m.kv_groups} KV, "
-                 f"vocab {m.vocab} (padded {m.padded_vocab(L.tp)} at TP={L.tp})")
+                 f"vocab {m.vocab} (padded {m.padded_vocab(L.tp)} at TP={L.tp})"
+                 + (f"; MoE: {m.experts} experts of width {m.expert_ffn}, top-{m.topk}, "
+                    f"{(m.total_params(L.tp) - m.num_layers * (m.expert_params_per_layer() - m.topk * m.one_expert_params())) / 1e9:.2f}B active"
+                    if m.experts else ""))
     lines.append(f"layout    {L.gpus} GPUs = TP{L.tp} x PP{L.pp}{f' (VPP{L.vpp})' if L.vpp else ''} x CP{L.cp} "
                  f"x DP{L.dp}; sequence parallel {'on' if L.sequence_parallel else 'off'}, "
-                 f"distributed optimizer {'on' if L.distributed_optimizer else 'off'}")
+                 f"distributed optimizer {'on' if L.distributed_optimizer else 'off'}"
+                 + (f"; experts EP{L.ep} x expert-TP{L.expert_tp} (expert DP {L.expert_dp:g})" if m.experts else ""))
     lines.append(f"workload  sequence {w.seq_len}, micro-batch {w.micro_batch}, {w.num_microbatches} micro-batches "
                  f"per step per DP rank, recompute {w.recompute}, {w.params_dtype}{' + FP8' if w.fp8 else ''}, "
                  f"{'fused (TE) attention' if w.flash_attention else 'unfused attention (s x s scores stored)'}; "

@@ -73,6 +73,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
         recompute_method=parallel.recompute_method if parallel.recompute_granularity == "full" else None,
         recompute_num_layers=parallel.recompute_num_layers if parallel.recompute_granularity == "full" else None,
         **fp8_transformer_fields(precision),
+        qk_layernorm=model.qk_layernorm,
+        **moe_transformer_fields(model, parallel),
     )
     if parallel.virtual_pipeline_model_parallel_size:
         # Interleaved 1F1B sends activations and gradients both ways between the same two ranks
@@ -91,6 +93,48 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
     return cfg
 
 
+def check_moe_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse an expert-parallel layout the model cannot use, naming the key (a ConfigError)."""
+    from types import SimpleNamespace
+
+    from ..config.base import run_validate
+    from ..config.model import moe_layout_checks
+
+    run_validate(SimpleNamespace(validate=lambda: moe_layout_checks(model, parallel)), "")
+
+
+def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """The TransformerConfig fields of the MoE layers (empty for a dense model)."""
+    if model.num_moe_experts is None:
+        return {}
+    check_moe_layout(model, parallel)
+    return dict(
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or ffn_hidden_size(model),
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,  # SequentialMLP: one expert per module, exact on CPU and GPU
+        moe_permute_fusion=False,
+        moe_enable_routing_replay=True,  # idle unless megatron/routing_replay.py drives it
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size,
+    )
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1's router gating names ``te_general_gemm`` even when Transformer Engine
+    is absent (its import failed, so the name is undefined); give it the value its fallback tests."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def layer_spec(model: ModelConfig, precision: PrecisionConfig, config=None, vp_stage: Optional[int] = None):
     """The layer spec; with ``config.sequence_parallel`` on the local spec, torch norms are swapped
     for :class:`~dpcc_megatron.megatron.norms.SequenceParallelTorchNorm` (Megatron's own refuses SP)."""
@@ -100,10 +144,16 @@ def layer_spec(model: ModelConfig, precision: PrecisionConfig, config=None, vp_s
         except ImportError as e:
             raise RuntimeError("precision.transformer_engine is set but Transformer Engine is not installed "
                                "(pip install 'dpcc-megatron[gpu]')") from e
+        if model.num_moe_experts is not None or model.qk_layernorm:
+            raise RuntimeError("precision.transformer_engine with model.num_moe_experts or model.qk_layernorm is "
+                               "not supported yet: the model is built with the local spec only")
         return te_layer_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=model.normalization)
+    if model.num_moe_experts is not None:
+        _moe_without_te()
+    spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
+                                    normalization=model.normalization)
     if config is not None and config.sequence_parallel:
         from .norms import sequence_parallel_local_spec, uses_torch_norm
 
@@ -168,10 +218,22 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: Opt
         rotary_base=int(model.rotary_base),
         **kwargs,
     )
+    if model.num_moe_experts is not None:
+        _forget_global_router_replays(gpt)
     _params_to_dtype(gpt, _DTYPES[precision.params_dtype])
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def _forget_global_router_replays(gpt) -> None:
+    """Each router keeps its own RouterReplay; drop them from Megatron's process-global list, which
+    would otherwise grow with every model built in the process (routing_replay.py never uses it)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(m.router_replay) for m in gpt.modules() if getattr(m, "router_replay", None) is not None}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
 
 
 def _params_to_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -32,6 +32,20 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     return world_size // mp
 
 
+def expert_parallel_kwargs(parallel: ParallelConfig, world_size: int) -> dict:
+    """initialize_model_parallel's expert arguments; refuses a world the expert grid does not fit."""
+    ep = parallel.expert_model_parallel_size
+    if ep == 1 and parallel.expert_tensor_parallel_size is None:
+        return {}
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    per_stage = world_size // pp  # TP x DP ranks of one pipeline stage, regrouped as ETP x EP x EDP
+    if per_stage % (ep * etp):
+        raise ValueError(f"parallel.expert_model_parallel_size={ep} x expert_tensor_parallel_size={etp} must "
+                         f"divide the {per_stage} ranks of a pipeline stage (tensor x data parallel)")
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Create TP/PP/DP groups and seed Megatron's model-parallel RNG tracker."""
     from megatron.core import parallel_state as ps
@@ -43,6 +57,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes,
+        **expert_parallel_kwargs(parallel, dist.get_world_size()),
     )
     model_parallel_cuda_manual_seed(seed)
 

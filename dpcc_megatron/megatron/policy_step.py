@@ -17,6 +17,7 @@ aligned with the *targets* ``tokens[:, 1:]``: position t scores token t+1.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..algo import LossNormalizer, combine_metrics, get_policy_loss
 from ..config import LossConfig
+from . import routing_replay
 from .precision import tis_weights
 from .vocab_parallel import vocab_parallel_token_stats
 
@@ -46,6 +48,9 @@ class RLBatch:
     """[N, L-1] fp32, when a reference-KL penalty is on."""
     sampler_logprobs: Optional[torch.Tensor] = None
     """[N, L-1] fp32: the rollout sampler's log-probs of the targets (for the TIS correction)."""
+    routing: Optional[torch.Tensor] = None
+    """[N, L-1, MoE layers on this rank, top-k] int16: experts to replay in the forward (routing
+    replay, see routing_replay.py); None routes freely."""
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -83,10 +88,13 @@ class RLBatch:
             return torch.cat([t, filler], dim=1)
 
         per_token = lambda t: t is not None and t.dim() >= 2 and t.shape[1] == T  # noqa: E731
+        from .routing_replay import pad_routing
+
         return RLBatch(tokens=pad(self.tokens, pad_id), mask=pad(self.mask, False),
                        old_logprobs=pad(self.old_logprobs, 0.0), ref_logprobs=pad(self.ref_logprobs, 0.0),
                        sampler_logprobs=pad(self.sampler_logprobs, 0.0),
-                       advantages=pad(self.advantages, 0.0) if per_token(self.advantages) else self.advantages)
+                       advantages=pad(self.advantages, 0.0) if per_token(self.advantages) else self.advantages,
+                       routing=None if self.routing is None else pad_routing(self.routing, extra))
 
 
 def sequence_multiple(tp: int, sequence_parallel: bool, fp8: bool) -> int:
@@ -119,13 +127,17 @@ def schedule_sequence_multiple(chunks) -> int:
 
 
 def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forward_only: bool,
-                 vocab_size: int, dp_size: int, with_entropy: bool = True) -> list[dict]:
+                 vocab_size: int, dp_size: int, with_entropy: bool = True,
+                 record_routing: Optional[list] = None) -> list[dict]:
     """Run the micro-batches through ``get_forward_backward_func``; returns the last stage's outputs.
 
     Sequences are right-padded to :func:`schedule_sequence_multiple` target positions (masked out),
     so ``loss_fn`` and the returned per-token outputs may be longer than the inputs'. With
     several chunks (virtual pipeline) each chunk gets its own iterator over the same micro-batches.
-    """
+
+    Routing replay (MoE): a micro-batch carrying ``routing`` has those experts forced; with
+    ``record_routing`` (a list) the routing of every micro-batch is appended to it, per chunk, in
+    schedule order, as (chunk index, micro-batch index, [b, T, L, k])."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -151,12 +163,32 @@ def run_schedule(chunks, micro_batches: list[RLBatch], loss_fn: LossFn, *, forwa
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     it = iter(micro_batches) if len(chunks) == 1 else [iter(micro_batches) for _ in chunks]
 
+    seen = [0] * len(chunks)
+    replaying = any(mb.routing is not None for mb in micro_batches)
+    # Each chunk's MoE layers within this rank's routing (several chunks under virtual pipelining).
+    offsets = [0]
+    for c in chunks if (replaying or record_routing is not None) else ():
+        offsets.append(offsets[-1] + len(routing_replay.routers(c)))
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         tokens = mb.tokens.to(device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         pos = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        output = model(inputs, pos, attention_mask=None)
+        chunk_index = next(i for i, c in enumerate(chunks) if c is model)
+        if mb.routing is not None:
+            routing_replay.start_replay(model, mb.routing[:, :, offsets[chunk_index]:offsets[chunk_index + 1]])
+        elif record_routing is not None:
+            routing_replay.start_recording(model)
+        try:
+            output = model(inputs, pos, attention_mask=None)
+            if record_routing is not None and mb.routing is None:
+                record_routing.append((chunk_index, seen[chunk_index],
+                                       routing_replay.collect(model, inputs.shape[0])))
+        finally:
+            if mb.routing is not None or record_routing is not None:
+                routing_replay.stop(model)
+        seen[chunk_index] += 1
 
         def loss_func(logits):
             # logits: [n, L-1, V/tp] on the last stage; the op accumulates in fp32 chunk by chunk.
@@ -191,11 +223,13 @@ def micro_batches(batch: RLBatch, micro_batch_size: int, max_tokens: int = 0):
 
 
 def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_size: int, dp_size: int,
-                     train_mode_after: bool = True, max_tokens: int = 0):
+                     train_mode_after: bool = True, max_tokens: int = 0, record_routing: bool = False):
     """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere).
 
     The chunks run in eval mode and go back to train mode after, unless ``train_mode_after``
-    is False (a frozen reference model)."""
+    is False (a frozen reference model). ``record_routing`` (MoE, routing replay): the experts
+    every token was routed to are stored in ``batch.routing`` (on every rank, for its own layers),
+    so a later forward of ``batch`` replays them."""
     from megatron.core import parallel_state as ps
 
     def collect(logprobs, entropy, mb):
@@ -204,9 +238,17 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
 
     for c in chunks:
         c.eval()
+    recorded: Optional[list] = [] if record_routing else None
     with torch.no_grad():
-        parts, order = micro_batches(batch, micro_batch_size, max_tokens)
-        out = run_schedule(chunks, parts, collect, forward_only=True, vocab_size=vocab_size, dp_size=dp_size)
+        # Routes freely: old log-probs define the routing, and a reference model has its own.
+        parts, order = micro_batches(dataclasses.replace(batch, routing=None), micro_batch_size, max_tokens)
+        if record_routing and order is not None:
+            raise ValueError("routing replay records with fixed-size micro-batches; set "
+                             "train.max_tokens_per_micro_batch: 0")
+        out = run_schedule(chunks, parts, collect, forward_only=True, vocab_size=vocab_size, dp_size=dp_size,
+                           record_routing=recorded)
+    if record_routing:
+        batch.routing = _assemble_routing(recorded, len(chunks), batch.tokens.shape[1] - 1)
     if train_mode_after:
         for c in chunks:
             c.train()
@@ -219,6 +261,13 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
         return (scatter_rows([o["logprobs"] for o in out], order, T, cut=True),
                 scatter_rows([o["entropy"] for o in out], order, T, cut=True))
     return torch.cat([o["logprobs"][:, :T] for o in out]), torch.cat([o["entropy"][:, :T] for o in out])
+
+
+def _assemble_routing(recorded: list, num_chunks: int, targets: int) -> torch.Tensor:
+    """[N, T, L, k] from run_schedule's (chunk, micro-batch, [b, T_pad, L_chunk, k]) records: micro-batches
+    in row order, chunks' layers side by side, the sequence-parallel padding dropped."""
+    per_chunk = [sorted((m, r) for c, m, r in recorded if c == i) for i in range(num_chunks)]
+    return torch.cat([torch.cat([r for _, r in parts])[:, :targets] for parts in per_chunk], dim=2)
 
 
 def global_normalizer(batch: RLBatch, dp_group, max_len: Optional[int] = None) -> LossNormalizer:

@@ -137,4 +137,28 @@ def enable_cpu_megatron() -> None:
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    _enable_cpu_moe_alltoall()
     _ENABLED = True
+
+
+def _enable_cpu_moe_alltoall() -> None:
+    """Megatron's all-to-all MoE token dispatcher on CPU (the all-gather one needs nothing).
+
+    Its split sizes are copied device-to-host on a side CUDA stream, and only CUDA tensors are
+    turned into the host arrays ``all_to_all_single`` takes. On CPU there is nothing to copy: the
+    splits become arrays in place, at the point the GPU path copies them, and no stream is made."""
+    try:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as A2A
+    except ImportError:  # pragma: no cover - a megatron-core without MoE
+        return
+
+    def _splits_to_host(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    A2A.cuda_dtoh_stream = object()  # set, so the constructor makes no torch.cuda.Stream
+    A2A._maybe_dtoh_and_synchronize = _splits_to_host

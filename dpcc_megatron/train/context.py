@@ -82,7 +82,8 @@ class RunContext:
 
         lp, ent = compute_logprobs(self.chunks, batch, micro_batch_size=self.cfg.train.micro_batch_size,
                                    vocab_size=self.vocab_size, dp_size=self.dp,
-                                   max_tokens=self.cfg.train.max_tokens_per_micro_batch)
+                                   max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+                                   record_routing=self.cfg.rollout.routing_replay)  # MoE: sets batch.routing
         return to_host(lp), to_host(ent)
 
     def ref_logprobs(self, batch: RLBatch):

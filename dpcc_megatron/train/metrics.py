@@ -8,6 +8,7 @@ import torch
 
 from ..algo import combine_metrics
 from ..megatron.policy_step import EXTRA_REDUCTIONS
+from ..megatron.moe import moe_record_fields, moe_reductions
 
 
 def _f(x):
@@ -63,7 +64,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     taken = [s for s in steps if not s.skipped]
     # A step with non-finite logits has garbage metrics (a KL of up to ~1e8): leave it out.
     usable = [s for s in steps if not s.nonfinite_logits]
-    merged = combine_metrics([dict(s.metrics) for s in usable], EXTRA_REDUCTIONS) if usable else {}
+    reductions = {**EXTRA_REDUCTIONS, **moe_reductions(k for s in usable for k in s.metrics)}
+    merged = combine_metrics([dict(s.metrics) for s in usable], reductions) if usable else {}
     est = cfg.loss.dpcc.kl_estimator
     rec = {
         "iteration": iteration,
@@ -91,6 +93,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         "response_len": sum(len(r) for r in rollouts.response_ids) / max(len(rollouts.response_ids), 1),
         "seconds": seconds,
     }
+    rec.update(moe_record_fields(merged))  # expert load, dropped tokens, router aux losses (MoE only)
     if ctx.reference is not None:  # KL(pi_theta || pi_ref) over the iteration's updates (loss.kl_estimator)
         rec["kl_ref"] = _f(merged.get("ref_kl", float("nan")))
         rec["kl_ref_estimator"] = cfg.loss.kl_estimator  # the penalty's, which may differ from kl_old_new's

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..algo import DPCCController
 from ..config import JobConfig
+from ..megatron.moe import moe_metrics, router_stats
 from ..megatron.optimizer import grad_scaler, grads_are_finite, scaled_lr, zero_grads
 from ..megatron.policy_step import (RLBatch, global_normalizer, micro_batches, policy_loss_fn,
                                     reduce_step_metrics, run_schedule, sft_loss_fn)
@@ -70,8 +71,11 @@ def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobCon
     normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
     loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
     parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
-    outputs = run_schedule(chunks, parts, loss_fn, forward_only=forward_only, vocab_size=vocab_size, dp_size=dp_size)
+    with router_stats(chunks) as moe:  # per-layer expert load, dropped tokens, aux losses (MoE only)
+        outputs = run_schedule(chunks, parts, loss_fn, forward_only=forward_only, vocab_size=vocab_size,
+                               dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
+    metrics.update(moe_metrics(moe, dp_group=dp_group, pp_group=pp_group, num_micro_batches=len(parts)))
     nonfinite = metrics.get("nonfinite_logits", 0.0) > 0
     # Non-finite logits make every metric of this pass garbage (masked tokens get log-prob 0):
     # the controller counts a non-finite observation (NaN) and keeps its state.

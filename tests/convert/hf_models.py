@@ -30,15 +30,30 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(
         hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
         head_dim=8, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False)),
+    # Qwen3 dense: QK layernorm, head_dim != hidden/heads, tied.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=1000000.0)),
+    # Qwen3-MoE (30B-A3B style): QK layernorm, 8 experts, top-2 renormalised, expert width != dense width.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, tie_word_embeddings=False)),
+    # Mixtral: 4 experts, top-2 (softmax over the top-2 logits), untied.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=32, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=None,
+        tie_word_embeddings=False)),
 }
 
 
 def build_hf(family: str, out: Path, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-             max_shard_size: str | None = None, tokenizer: bool = False):
+             max_shard_size: str | None = None, tokenizer: bool = False, **overrides):
     import transformers
 
     config_cls, model_cls, kwargs = FAMILIES[family]
-    config = getattr(transformers, config_cls)(vocab_size=VOCAB, **kwargs)
+    config = getattr(transformers, config_cls)(vocab_size=VOCAB, **{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
