@@ -165,20 +165,52 @@ def _samples(ctx, prompts, texts, response_ids, group_ids):
     return out
 
 
-def score_rollouts(ctx, rollouts: RolloutBatch) -> Rewards:
-    """Scored once per model-parallel group (sandboxed code runs are not repeated TP x PP times)."""
+def score_rollouts(ctx, rollouts: RolloutBatch, *, pending: Optional[list] = None) -> Rewards:
+    """Scored once per model-parallel group (sandboxed code runs are not repeated TP x PP times).
+
+    ``pending``: a list that collects this round's scored samples instead of advancing the reward
+    state (dynamic sampling's rounds); :func:`advance_rounds` then advances it once for all of them."""
     G = ctx.cfg.rollout.group_size
     payload = None
     if ctx.mp_rank == 0:
         samples = _samples(ctx, rollouts.prompts, rollouts.texts, rollouts.response_ids,
                            [i // G for i in range(len(rollouts.texts))])
-        res = ctx.reward.score(samples)
-        ctx.reward.push_buffer(samples, res)
-        norm = ctx.reward.normalized_components(res)
-        components = torch.stack([norm["base"], norm["advanced"]], -1).float()
-        payload = (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics),
-                   components)
+        res = ctx.reward.score(samples, update=pending is None)
+        if pending is None:
+            ctx.reward.push_buffer(samples, res)
+        else:
+            pending.append((samples, res))
+        payload = _payload(ctx, res)
+    return _shared_rewards(ctx, payload)
+
+
+def advance_rounds(ctx, pending: list) -> list[Rewards]:
+    """Advance the reward state once over every round in ``pending`` (from :func:`score_rollouts`) and
+    return each round's rewards re-combined under the new weights; the rounds' samples then join the
+    older-policy buffer."""
+    payloads = None
+    if ctx.mp_rank == 0:
+        samples = [s for batch, _ in pending for s in batch]
+        results = ctx.reward.advance(samples, [res for _, res in pending])
+        for (batch, _), res in zip(pending, results):
+            ctx.reward.push_buffer(batch, res)
+        payloads = [_payload(ctx, res) for res in results]
     if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
+        box = [payloads]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(ctx.mp_group, 0), group=ctx.mp_group)
+        payloads = box[0]
+    return [_shared_rewards(ctx, p, broadcast=False) for p in payloads]
+
+
+def _payload(ctx, res) -> tuple:
+    norm = ctx.reward.normalized_components(res)
+    components = torch.stack([norm["base"], norm["advanced"]], -1).float()
+    return (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics),
+            components)
+
+
+def _shared_rewards(ctx, payload, broadcast: bool = True) -> Rewards:
+    if broadcast and dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
         box = [payload]
         dist.broadcast_object_list(box, src=dist.get_global_rank(ctx.mp_group, 0), group=ctx.mp_group)
         payload = box[0]

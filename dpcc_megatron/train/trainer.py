@@ -117,7 +117,7 @@ def train(cfg: JobConfig) -> dict:
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
                                             cfg.loss.advantage_eps, per_component=cfg.loss.advantage_per_component,
                                             weights=rewards.weights)
-        batch = rollouts.to_batch(adv)
+        batch = samples.to_batch(adv)  # dynamic sampling's padding rows masked out
         old_lp, entropy = ctx.logprobs(batch)
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
