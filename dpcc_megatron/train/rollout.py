@@ -85,13 +85,17 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
     return out
 
 
-def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+def _sampling(ctx, *, greedy: bool, seed: int):
     from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
-    sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                        top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
+    return Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                    top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
+
+
+def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
+    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+    sampling = _sampling(ctx, greedy=greedy, seed=seed)
     ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
     return ctx.engine.generate(prompt_ids, sampling)
 
@@ -102,16 +106,37 @@ def _unpack(out, n: int):
     return out.responses[:n], out.logprobs[:n], out.finished[:n]
 
 
-def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
-    """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
+@dataclass
+class RolloutRequest:
+    """What one call of the engine generates for this DP rank: G copies of its share of the prompts."""
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    seed: int
+
+
+def rollout_request(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutRequest:
+    """This DP rank's G samples of ``prompts`` (``round_index``: dynamic sampling's round), as a request."""
     G = ctx.cfg.rollout.group_size
     mine = prompts[ctx.dp_rank::ctx.dp]
     expanded = [p for p in mine for _ in range(G)]
     prompt_ids = [ids for ids in _encode_prompts(ctx, mine) for _ in range(G)]
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
-    responses, logprobs, finished = _unpack(_generate(ctx, prompt_ids, greedy=False, seed=seed), len(prompt_ids))
+    return RolloutRequest(expanded, prompt_ids, seed)
+
+
+def finish_rollouts(ctx, request: RolloutRequest, generation) -> "RolloutBatch":
+    """The engine's :class:`~dpcc_megatron.rollout.engine.Generation` of ``request`` as a batch."""
+    responses, logprobs, finished = _unpack(generation, len(request.prompt_ids))
     texts = [ctx.tokenizer.decode(r) for r in responses]
-    return RolloutBatch(expanded, prompt_ids, responses, texts, logprobs, finished, ctx.tokenizer.pad_id)
+    return RolloutBatch(request.prompts, request.prompt_ids, responses, texts, logprobs, finished,
+                        ctx.tokenizer.pad_id)
+
+
+def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
+    """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
+    req = rollout_request(ctx, prompts, iteration, round_index)
+    return finish_rollouts(ctx, req, _generate(ctx, req.prompt_ids, greedy=False, seed=req.seed))
 
 
 @dataclass

@@ -32,6 +32,16 @@ class IterationSamples:
     (``reward_base_mean``, ``reward_base_std``, ``zero_var_frac_base``) when dynamic sampling is on."""
     padded: Optional[torch.Tensor] = None
     """bool [rows]: rows of padding groups (dynamic sampling's batch still short), None without any."""
+    weight_version: Optional[int] = None
+    """The weight version (iteration whose starting weights) that sampled every row of this batch, set by
+    train/async_rollout.py when rollout.max_staleness >= 1; None: the iteration's own weights."""
+
+    @property
+    def weight_versions(self) -> Optional[torch.Tensor]:
+        """int64 [rows]: the version that produced each sample (one request per batch: all equal)."""
+        if self.weight_version is None:
+            return None
+        return torch.full((len(self.rollouts.texts),), self.weight_version, dtype=torch.long)
 
     def to_batch(self, advantages: torch.Tensor):
         """The training batch: padding rows get advantage 0 and an all-False mask, so they contribute

@@ -22,11 +22,11 @@ from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
 from ..rollout.engine import RefitError
+from .async_rollout import RolloutPipeline
 from .context import RunContext, setup_run
 from .control import MonitorControl
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
-from .sampling import sample_iteration
 from .trainer_totals import total_optimizer_steps
 from .update import policy_update, probe_drift, probe_samples, sft_update
 
@@ -99,6 +99,8 @@ def train(cfg: JobConfig) -> dict:
         summary["reward_before"] = ctx.resumed_state.get("reward_before")
         control.load_state_dict(ctx.resumed_state.get("monitor_control"))
 
+    pipeline = ctx.rollout_pipeline = RolloutPipeline(ctx)  # rollout.max_staleness (train/async_rollout.py)
+    pipeline.load_state_dict(ctx.resumed_in_flight, ctx)
     iteration = start_iteration
     stop_reason = "completed"
     stop_kind = "completed"
@@ -106,12 +108,14 @@ def train(cfg: JobConfig) -> dict:
         ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
         try:
-            samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+            samples = pipeline.take(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+            pipeline.submit_ahead(ctx, iteration, cfg.train.iterations)  # max_staleness >= 1: the next rollouts
         except RefitError:  # the rollout engine could not take the current weights: stop, keep them
             if cfg.checkpoint.dir:
                 ctx.save(iteration, controller, summary)
             raise
-        ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
+        if not pipeline.overlapping:  # an engine generating the next rollouts stays awake
+            ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
         rollouts: RolloutBatch = samples.rollouts
         rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
@@ -122,6 +126,7 @@ def train(cfg: JobConfig) -> dict:
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
+        staleness = pipeline.staleness_fields(ctx, controller, samples, batch, iteration)  # tells DPCC kl_behaviour
         release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
         steps, step_metrics = 0, []
@@ -155,6 +160,7 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0,
                                       step_kl_after=probe_kl if one_step else None)
         record.update(samples.metrics)
+        record.update(staleness)
         if ctx.evaluator is not None:  # the evaluation of the weights this iteration sampled with, if one ran
             record.update(ctx.evaluator.record_fields(iteration))
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
@@ -175,6 +181,7 @@ def train(cfg: JobConfig) -> dict:
             back = ctx.rollback_to(advice[2], controller)
             if back is not None:
                 iteration = back
+                pipeline.reset()  # rollouts of the abandoned weights are not trained on
                 control.rolled_back()
                 consecutive_skips = 0
                 continue
@@ -219,6 +226,7 @@ def train(cfg: JobConfig) -> dict:
     if cfg.checkpoint.dir and iteration == cfg.train.iterations and not (
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         ctx.save(iteration, controller, summary, control)
+    pipeline.close()
     ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
     ctx.finish(summary)
     if ctx.rank == 0:

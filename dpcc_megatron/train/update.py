@@ -67,7 +67,7 @@ def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobCon
     """The policy loss over ``batch``'s micro-batches through the schedule, shared by the update
     and the drift probe. Returns (reduced metrics, KL(pi_old || pi_theta), non-finite logits)."""
     normalizer = rl_normalizer(batch, dp_group, cfg.rollout.max_new_tokens)
-    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
+    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, behaviour_cap(cfg))
     parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
     outputs = run_schedule(chunks, parts, loss_fn, forward_only=forward_only, vocab_size=vocab_size, dp_size=dp_size)
     metrics = reduce_step_metrics(outputs, dp_group, pp_group)
@@ -76,6 +76,13 @@ def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobCon
     # the controller counts a non-finite observation (NaN) and keeps its state.
     kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
     return metrics, kl, nonfinite
+
+
+def behaviour_cap(cfg: JobConfig):
+    """C of the decoupled objective's behaviour weight for this run, or None (algo/decoupled.py)."""
+    from ..algo.decoupled import resolve_behaviour_cap
+
+    return resolve_behaviour_cap(cfg.loss.behaviour_is_cap, cfg.precision.tis_cap, cfg.rollout.max_staleness)
 
 
 def rl_normalizer(batch: RLBatch, dp_group, max_new_tokens: int):

@@ -29,6 +29,7 @@ def test_a_batch_with_known_zero_variance_groups_is_refilled_from_later_rounds()
 
 
 def _ds_rank(rank, world, out, overrides):
+    import dpcc_megatron.train.async_rollout as async_rollout
     import dpcc_megatron.train.trainer as trainer
     from dpcc_megatron.train import sampling
 
@@ -41,7 +42,7 @@ def _ds_rank(rank, world, out, overrides):
                      s.metrics))
         return s
 
-    trainer.sample_iteration = spy
+    async_rollout.sample_iteration = spy
     return trainer.train(_cfg(Path(out), **overrides)), seen
 
 
