@@ -157,12 +157,17 @@ class RolloutPipeline:
         self.discarded += len(self.inflight)
         self.inflight.clear()
 
-    def close(self) -> None:
-        """Wait for any background generation (so no thread outlives the run)."""
+    def wait_idle(self) -> None:
+        """Wait for any background generation, so the engine is idle (before anything else refits or uses
+        it, such as the held-out evaluation); its result stays in flight for its iteration."""
         for req in self.inflight.values():
             if req.thread is not None:
                 req.thread.join()
                 req.thread = None
+
+    def close(self) -> None:
+        """At the end of the run: no generation thread outlives it."""
+        self.wait_idle()
 
     # -- requests ------------------------------------------------------------------------------------
     def _submit(self, ctx, iteration: int, version: int) -> _Request:

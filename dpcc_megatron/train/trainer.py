@@ -190,6 +190,7 @@ def train(cfg: JobConfig) -> dict:
             control.apply(advice)
 
         if ctx.evaluator.due(iteration) and iteration < cfg.train.iterations:
+            pipeline.wait_idle()  # a background generation finishes before the evaluation refits the engine
             evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
         stop = _agree(1.0 if signals.requested else 0.0) > 0
         if consecutive_skips >= cfg.train.max_consecutive_skips:

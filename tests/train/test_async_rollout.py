@@ -247,3 +247,19 @@ def test_resume_is_exact_with_rollouts_in_flight(tmp_path):
     for ra, rb in zip(a[2:], b):
         for k in keys:
             assert abs(ra[k] - rb[k]) <= 1e-6, (k, ra["iteration"], ra[k], rb[k])
+
+
+def test_wait_idle_finishes_the_background_generation_and_keeps_its_result():
+    gate = threading.Event()
+    ctx = _Ctx(1, engine="vllm", gate=gate)
+    pipe = RolloutPipeline(ctx)
+    gate.set()
+    pipe.take(ctx, 0)
+    gate.clear()
+    pipe.submit_ahead(ctx, 0, 3)
+    threading.Timer(0.2, gate.set).start()
+    pipe.wait_idle()  # the engine is idle now (e.g. before the evaluation refits it)
+    assert pipe.inflight[1].thread is None and pipe.inflight[1].generation is not None
+    ctx.set_version(1)
+    ctx.engine.update_weights(ctx.chunks)  # what an evaluation would do in between
+    assert pipe.take(ctx, 1).weight_version == 0 and ctx.engine.seen == [0.0, 0.0]
