@@ -123,6 +123,10 @@ class RolloutPipeline:
         self.inflight: dict[int, _Request] = {}
         self.discarded = 0
         """Requests dropped by rollbacks (their samples were never trained on)."""
+        if self.k and getattr(ctx, "rank", 0) == 0:
+            how = ("generation overlaps training" if self.mode == "overlap" else
+                   f"no overlap ({self.why_no_overlap}): each iteration samples from a weight snapshot")
+            print(f"[dpcc] rollout.max_staleness={self.k}: {self.mode} mode, {how}", flush=True)
 
     @property
     def overlapping(self) -> bool:

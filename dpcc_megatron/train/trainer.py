@@ -100,7 +100,8 @@ def train(cfg: JobConfig) -> dict:
         control.load_state_dict(ctx.resumed_state.get("monitor_control"))
 
     pipeline = ctx.rollout_pipeline = RolloutPipeline(ctx)  # rollout.max_staleness (train/async_rollout.py)
-    pipeline.load_state_dict(ctx.resumed_in_flight, ctx)
+    if start_iteration:
+        pipeline.load_state_dict(ctx.resumed_in_flight, ctx)  # the checkpoint's rollouts in flight
     iteration = start_iteration
     stop_reason = "completed"
     stop_kind = "completed"
