@@ -263,3 +263,26 @@ def test_wait_idle_finishes_the_background_generation_and_keeps_its_result():
     ctx.set_version(1)
     ctx.engine.update_weights(ctx.chunks)  # what an evaluation would do in between
     assert pipe.take(ctx, 1).weight_version == 0 and ctx.engine.seen == [0.0, 0.0]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_vllm_engine_generates_the_next_rollouts_in_the_background(tmp_path):
+    """k = 1 with the real vLLM engine (its own process): overlap mode through the trainer."""
+    import json
+
+    from dpcc_megatron.testing import run_multirank
+
+    from .test_train_e2e import _run_rank
+
+    over = {"rollout.engine": "vllm", "rollout.max_staleness": 1, "train.iterations": 3, "train.warmup_sft_steps": 0,
+            "model.hidden_size": 128, "model.ffn_hidden_size": 256, "parallel.tensor_model_parallel_size": 1,
+            "eval.max_prompts": 4}
+    (summary, moved), = run_multirank(_run_rank, 1, args=(str(tmp_path), over), timeout=600)
+    assert summary["stop_reason"] == "completed" and moved > 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert [r["rollout_weight_version"] for r in records] == [0, 0, 1]
+    assert all(r["kl_behaviour"] >= 0 for r in records) and records[-1]["kl_behaviour"] > 0
+    assert all(r["rollout_refit_s"] > 0 for r in records)  # the engine took the weights each time
