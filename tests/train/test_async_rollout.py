@@ -276,7 +276,7 @@ def test_the_vllm_engine_generates_the_next_rollouts_in_the_background(tmp_path)
 
     from .test_train_e2e import _run_rank
 
-    over = {"rollout.engine": "vllm", "rollout.max_staleness": 1, "train.iterations": 3, "train.warmup_sft_steps": 0,
+    over = {"rollout.engine": "vllm", "rollout.max_staleness": 1, "train.iterations": 3,
             "model.hidden_size": 128, "model.ffn_hidden_size": 256, "parallel.tensor_model_parallel_size": 1,
             "eval.max_prompts": 4}
     (summary, moved), = run_multirank(_run_rank, 1, args=(str(tmp_path), over), timeout=600)
