@@ -19,6 +19,16 @@ so the early-phase schedule and the LR schedule count the same steps:
 
         ctl.observe(kl, advance=False)                 # before optimizer.step(): sets the factor
         if step_applied: ctl.advance()
+An off-policy batch (``rollout.max_staleness`` >= 1) was sampled by a behaviour policy pi_b some
+versions behind the proximal policy pi_prox the update starts from. Before the iteration's steps the
+trainer passes its measured KL(pi_b || pi_prox):
+
+        ctl.observe_behaviour(kl_b)                     # once per iteration, before its steps
+
+and with ``behaviour_kl_weight`` beta > 0 that spent drift counts against the trust region (tau_t from
+D + beta * kl_b) and the LR (:func:`~.schedule.staleness_lr_factor`). A synchronous trainer never
+calls it, and the controller then behaves exactly as without it.
+
 ``state_dict()`` is plain JSON-able Python, so a resumed run decides identically.
 """
 from __future__ import annotations
@@ -29,11 +39,13 @@ from typing import Any, Optional
 
 from dpcc_megatron.config.algo import DPCCConfig, LossConfig
 
-from .schedule import adaptive_threshold, drift_lr_factor, early_lr_warmup_factor, early_phase_cap, kl_target_scale
+from .schedule import (adaptive_threshold, drift_lr_factor, early_lr_warmup_factor, early_phase_cap, kl_target_scale,
+                       staleness_lr_factor)
 
-_STATE_VERSION = 2
-#: Versions ``load_state_dict`` reads: 1 predates the KL-target LR scale (read as 1.0, its start).
-_READABLE_VERSIONS = (1, 2)
+_STATE_VERSION = 3
+#: Versions ``load_state_dict`` reads: 1 predates the KL-target LR scale (read as 1.0, its start), 2 the
+#: behaviour KL (read as None: no off-policy batch seen).
+_READABLE_VERSIONS = (1, 2, 3)
 _COUNTERS = ("observations", "nonfinite_kl", "fresh_kl_skipped", "drift_triggers", "lr_reduced_steps",
              "tau_floor_steps")
 
@@ -58,6 +70,8 @@ class DPCCController:
         self._hold = 0
         self.lr_scale = config.lr_scale_init if config.drift_lr_rule == "kl_target" else 1.0
         """The KL-target rule's latched LR scale (``drift_lr_rule: kl_target``); 1 otherwise."""
+        self.behaviour_kl: Optional[float] = None
+        """KL(pi_b || pi_prox) of the current iteration's batch (:meth:`observe_behaviour`); None when synchronous."""
         self.counters = {name: 0 for name in _COUNTERS}
 
     # -- decisions for the next step ------------------------------------------------
@@ -65,7 +79,16 @@ class DPCCController:
     def tau_adaptive(self) -> float:
         """tau0 * (1 - alpha * D) clamped to [tau_min, tau0]; D = 0 before any observation."""
         c = self.config
-        return adaptive_threshold(c.tau0, c.alpha, self.kl_ema if self.kl_ema is not None else 0.0, c.tau_min)
+        return adaptive_threshold(c.tau0, c.alpha, (self.kl_ema if self.kl_ema is not None else 0.0)
+                                  + self._spent_by_staleness, c.tau_min)
+
+    @property
+    def _spent_by_staleness(self) -> float:
+        """beta * kl_b: the drift an off-policy batch spent before the update (0 when synchronous).
+        A negative estimate (k3 is >= 0; a k1 caller's may not be) spends nothing."""
+        if self.behaviour_kl is None or not self.config.behaviour_kl_weight:
+            return 0.0
+        return self.config.behaviour_kl_weight * max(self.behaviour_kl, 0.0)
 
     @property
     def tau_cap(self) -> float:
@@ -99,10 +122,22 @@ class DPCCController:
         return self.lr_scale if self.config.drift_lr_rule == "kl_target" else self._lr_factor
 
     @property
+    def staleness_factor(self) -> float:
+        """The LR share an off-policy batch leaves the update (:func:`~.schedule.staleness_lr_factor`);
+        1 when synchronous, with ``behaviour_kl_weight`` 0 or with drift-aware LR off."""
+        spent = self._spent_by_staleness
+        if spent == 0.0 or not self.config.drift_lr:
+            return 1.0
+        return staleness_lr_factor(spent, self.config.drift_threshold)
+
+    @property
     def lr_factor(self) -> float:
         """Multiplier of the next step's scheduled LR: the drift-aware factor times the early-phase
-        warm-up factor."""
-        return self.drift_factor * self.warmup_factor
+        warm-up factor (times the staleness factor for an off-policy batch)."""
+        factor = self.drift_factor * self.warmup_factor
+        if self.behaviour_kl is not None:
+            factor *= self.staleness_factor
+        return factor
 
     def loss_config(self, base: LossConfig) -> LossConfig:
         """Copy of ``base`` whose ``dpcc.tau`` is the current tau_t."""
@@ -128,6 +163,14 @@ class DPCCController:
             self._update(kl, probe)
         if advance:
             self.advance()
+
+    def observe_behaviour(self, kl: Optional[float]) -> None:
+        """KL(pi_b || pi_prox) of the batch the next steps train on (None: synchronous). A non-finite
+        reading is counted and spends nothing."""
+        if kl is not None and not math.isfinite(float(kl)):
+            self.counters["nonfinite_kl"] += 1
+            kl = 0.0
+        self.behaviour_kl = None if kl is None else float(kl)
 
     def advance(self) -> None:
         """One optimizer step was applied (at the current ``lr_factor`` and ``tau``)."""
@@ -175,6 +218,9 @@ class DPCCController:
             "dpcc/warmup_factor": self.warmup_factor,
             "dpcc/step": float(self.step),
         }
+        if self.behaviour_kl is not None:
+            out["dpcc/behaviour_kl"] = self.behaviour_kl
+            out["dpcc/staleness_factor"] = self.staleness_factor
         out.update({f"dpcc/{k}": float(v) for k, v in self.counters.items()})
         return out
 
@@ -189,6 +235,7 @@ class DPCCController:
             "lr_factor": self._lr_factor,
             "hold": self._hold,
             "lr_scale": self.lr_scale,
+            "behaviour_kl": self.behaviour_kl,
             "counters": dict(self.counters),
         }
 
@@ -207,4 +254,5 @@ class DPCCController:
         self._lr_factor = float(state["lr_factor"])
         self._hold = int(state["hold"])
         self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.behaviour_kl = None if state.get("behaviour_kl") is None else float(state["behaviour_kl"])
         self.counters = {name: int(state["counters"].get(name, 0)) for name in _COUNTERS}

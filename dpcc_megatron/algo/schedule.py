@@ -60,6 +60,27 @@ def drift_lr_factor(drift: float, threshold: float) -> float:
     return 1.0
 
 
+#: The smallest share of the drift budget an off-policy batch leaves the update (so the staleness LR
+#: factor is at least sqrt(1/4) = 0.5).
+STALENESS_BUDGET_FLOOR = 0.25
+
+
+def staleness_lr_factor(behaviour_kl: float, threshold: float, weight: float = 1.0) -> float:
+    """sqrt(max(theta - beta * kl_b, theta * STALENESS_BUDGET_FLOOR) / theta): the LR multiplier of an
+    update whose batch was sampled ``behaviour_kl`` = KL(pi_b || pi_prox) away from where it starts.
+
+    The drift budget theta (nats per token per iteration) is what the policy may move away from the
+    policy that generated its data; an off-policy batch has spent beta * kl_b of it before the first
+    step. With Adam the drift grows about as the square of the step size, so the LR that spends the
+    remaining budget is the square root of its share. 1 when kl_b <= 0, beta = 0 or theta <= 0."""
+    if math.isnan(behaviour_kl):
+        raise ValueError("behaviour_kl must not be NaN")
+    spent = weight * behaviour_kl
+    if spent <= 0 or threshold <= 0:
+        return 1.0
+    return math.sqrt(max(threshold - spent, threshold * STALENESS_BUDGET_FLOOR) / threshold)
+
+
 #: Largest cut of the KL-target LR scale per drift reading (a factor of 2), so one outlying reading
 #: cannot throw the scale far; the largest raise is the caller's ``max_raise``.
 KL_TARGET_MAX_CUT = 2.0

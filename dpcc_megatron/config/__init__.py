@@ -68,6 +68,12 @@ class JobConfig:
               "another micro-batch's experts)")
         check(not replay or self.train.max_tokens_per_micro_batch == 0, "rollout.routing_replay",
               "needs train.max_tokens_per_micro_batch: 0 (routing is recorded per fixed-size micro-batch)")
+        check(self.loss.behaviour_is_cap is None or self.precision.tis_cap is None, "loss.behaviour_is_cap",
+              "and precision.tis_cap are the same importance weight (pi_prox / pi_sampler); set one of them")
+        off_policy = self.loss.behaviour_is_cap is not None or self.rollout.max_staleness >= 1
+        check(not off_policy or self.loss.name not in ("clip_cov", "kl_cov"), "rollout.max_staleness",
+              f"(or loss.behaviour_is_cap) needs the behaviour importance weight, which loss.name="
+              f"{self.loss.name!r} cannot carry (its token selection does not scale with the advantage)")
         budget = self.train.max_tokens_per_micro_batch
         check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
               "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "

@@ -16,6 +16,7 @@ imports nothing but the config machinery, so loading a config never imports torc
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -32,7 +33,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 DPCC_PRESETS: dict[str, dict] = {
     "paper": {"tau0": 2.0, "alpha": 5.0, "tau_min": 1.1, "early_tau": 1.2, "drift_score": "kl",
               "skip_fresh_kl": False, "truncation": "clip", "early_lr_warmup": False, "drift_probe": False,
-              "drift_lr_rule": "step"},
+              "drift_lr_rule": "step", "behaviour_kl_weight": 0.0},
     # tau0 = 1.28 is DAPO's clip-higher bound. alpha = 18 puts tau_t at tau_min once the smoothed KL
     # reaches the KL target 0.01 nats/token of the drift probe's KL(pi_old || pi_new) per token, k3
     # (1 - 18 * 0.01 = 0.82 = 1.05 / 1.28). Chosen on the development seeds from targets 0.01, 0.02,
@@ -43,7 +44,7 @@ DPCC_PRESETS: dict[str, dict] = {
     # (benchmarks/stability/kl-target-rule.md).
     "calibrated": {"tau0": 1.28, "alpha": 18.0, "tau_min": 1.05, "early_tau": 1.1, "drift_score": "kl_ema",
                    "skip_fresh_kl": True, "truncation": "decay", "early_lr_warmup": False, "drift_probe": True,
-                   "drift_lr_rule": "kl_target"},
+                   "drift_lr_rule": "kl_target", "behaviour_kl_weight": 1.0},
 }
 
 
@@ -127,6 +128,12 @@ class DPCCConfig:
     """Ignore the KL of each iteration's first mini-batch: pi_old was just recomputed from the current
     weights, so it is ~0 by construction. Off (paper), it resets the drift score and the LR factor
     to 1 right before the iteration's first, unclippable step; on (calibrated), they carry over."""
+    behaviour_kl_weight: Optional[float] = None
+    """beta: how much of the behaviour KL, KL(pi_b || pi_prox) of an off-policy batch
+    (`rollout.max_staleness` >= 1), counts as drift already spent. tau_t is computed from D + beta * kl_b
+    instead of D, and the LR is scaled by sqrt(max(theta - beta * kl_b, theta / 4) / theta)
+    (docs/algorithm.md, "Off-policy batches"); 0 ignores staleness (paper 0, calibrated 1). Synchronous
+    runs (max_staleness 0) pass no behaviour KL, so it has no effect there."""
     drift_probe: Optional[bool] = None
     """After each iteration's optimizer steps, measure KL(pi_old || pi_new) with one forward-only
     micro-batch (PP of them with a virtual pipeline) of the iteration's first mini-batch and feed it to
@@ -166,6 +173,8 @@ class DPCCConfig:
               f"is the KL target of drift_lr_rule: kl_target and must be > 0, got {self.drift_threshold}")
         check(self.drift_lr_rule != "kl_target" or self.drift_probe or not self.drift_lr, "drift_lr_rule",
               "kl_target reads the drift probe's KL: set drift_probe: true (or drift_lr: false)")
+        check(self.behaviour_kl_weight >= 0 and math.isfinite(self.behaviour_kl_weight), "behaviour_kl_weight",
+              f"must be a finite number >= 0, got {self.behaviour_kl_weight}")
         check(self.kl_target_gain > 0, "kl_target_gain", f"must be > 0, got {self.kl_target_gain}")
         check(0 < self.lr_scale_min <= 1, "lr_scale_min", f"must be in (0, 1], got {self.lr_scale_min}")
         check(self.lr_scale_min <= self.lr_scale_init <= 1, "lr_scale_init",
@@ -232,6 +241,12 @@ class LossConfig:
     """eps of the GRPO std normalisation."""
     advantage_per_component: bool = False
     """Multi-part rewards: normalise each reward component within its group before the weighted sum."""
+    behaviour_is_cap: Optional[float] = None
+    """C of the decoupled objective's truncated importance weight sg(min(pi_prox / pi_b, C)) between the
+    behaviour policy that sampled (the engine's log-probs, up to rollout.max_staleness versions old) and the
+    proximal policy the ratio is taken against (the trainer's weights at the start of the update);
+    docs/algorithm.md, "Off-policy batches". null: precision.tis_cap if set (the same weight under its
+    synchronous name; setting both is refused), else 2.0 when rollout.max_staleness >= 1, else no weight."""
     dpcc: DPCCConfig = field(default_factory=DPCCConfig)
     """DPCC threshold schedule and drift-aware LR."""
 
@@ -256,3 +271,5 @@ class LossConfig:
         check(not self.ref_offload or self.ref_kl_coef > 0, "ref_offload",
               "is set but ref_kl_coef is 0, so no reference model would be built")
         check(self.advantage_eps > 0, "advantage_eps", f"must be > 0, got {self.advantage_eps}")
+        check(self.behaviour_is_cap is None or (math.isfinite(self.behaviour_is_cap) and self.behaviour_is_cap >= 1.0),
+              "behaviour_is_cap", f"must be a finite number >= 1 (or null), got {self.behaviour_is_cap}")

@@ -145,6 +145,11 @@ class RolloutConfig:
     dynamic_sampling_max_rounds: int = 3
     """Most sampling rounds per iteration with dynamic_sampling; a batch still short after them is
     filled with dropped (zero-advantage) groups, counted as ds_padded_groups."""
+    max_staleness: int = 0
+    """k: the rollouts of an iteration may come from weights up to k optimizer-step versions (iterations)
+    old, so generation of the next iterations overlaps training of this one (train/async_rollout.py).
+    0: the synchronous loop, each iteration samples with its own weights. With k >= 1 the loss is the
+    decoupled objective (loss.behaviour_is_cap) and records carry staleness_mean/max and kl_behaviour."""
 
     def validate(self) -> None:
         check(self.dynamic_sampling_max_rounds >= 1, "dynamic_sampling_max_rounds",
@@ -156,6 +161,8 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(isinstance(self.max_staleness, int) and 0 <= self.max_staleness <= 8, "max_staleness",
+              f"must be an integer in [0, 8], got {self.max_staleness}")
 
 
 @dataclass

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..algo import LossNormalizer, combine_metrics, get_policy_loss
+from ..algo.decoupled import decoupled_loss
 from ..config import LossConfig
 from . import routing_replay
-from .precision import tis_weights
 from .vocab_parallel import vocab_parallel_token_stats
 
 
@@ -296,8 +296,10 @@ def global_normalizer(batch: RLBatch, dp_group, max_len: Optional[int] = None) -
 
 
 def policy_loss_fn(loss_cfg: LossConfig, normalizer: LossNormalizer, tis_cap: Optional[float] = None) -> LossFn:
-    """The registered policy loss; with ``tis_cap`` (``precision.tis_cap``) each token's loss is
-    multiplied by the truncated IS weight sg(min(pi_old / pi_sampler, tis_cap)).
+    """The registered policy loss, in its decoupled form (algo/decoupled.py): with ``tis_cap`` (the
+    behaviour cap C the run resolved, ``loss.behaviour_is_cap`` or ``precision.tis_cap``) each token's
+    loss is multiplied by the truncated IS weight sg(min(pi_old / pi_sampler, C)), pi_old being the
+    proximal policy the ratio is taken against and pi_sampler the behaviour policy that sampled.
 
     The weight is applied by scaling the token's advantage: every registered token loss is
     positively homogeneous in A (l(wA) = w l(A) for w > 0), so this equals weighting the loss
@@ -307,27 +309,20 @@ def policy_loss_fn(loss_cfg: LossConfig, normalizer: LossNormalizer, tis_cap: Op
     loss = get_policy_loss(loss_cfg.name)
 
     def fn(logprobs, entropy, mb: RLBatch):
-        advantages = mb.advantages.to(logprobs.device)
-        tis_metrics = {}
-        if tis_cap is not None:
-            if mb.sampler_logprobs is None:
-                raise ValueError("precision.tis_cap is set but the batch carries no sampler_logprobs")
-            mask = mb.mask.to(logprobs.device)
-            weight = tis_weights(mb.old_logprobs.to(logprobs.device), mb.sampler_logprobs.to(logprobs.device),
-                                 mask, tis_cap)
-            advantages = (advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages) * weight
-            n = mask.sum().clamp(min=1)
-            tis_metrics = {"tis_weight_mean": weight.sum() / n,
-                           "tis_clip_frac": ((weight >= tis_cap) & mask).sum() / n}
-        contribution, metrics = loss(logprobs, mb.old_logprobs.to(logprobs.device),
-                                     advantages, mb.mask.to(logprobs.device),
-                                     config=loss_cfg, normalizer=normalizer,
-                                     ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(logprobs.device))
-        mask = mb.mask.to(logprobs.device)
+        if tis_cap is not None and mb.sampler_logprobs is None:
+            raise ValueError("precision.tis_cap is set but the batch carries no sampler_logprobs (the behaviour "
+                             "importance weight, loss.behaviour_is_cap / precision.tis_cap, needs them)")
+        dev = logprobs.device
+        contribution, metrics = decoupled_loss(
+            loss, logprobs, mb.old_logprobs.to(dev), None if mb.sampler_logprobs is None else mb.sampler_logprobs.to(dev),
+            mb.advantages.to(dev), mb.mask.to(dev), loss_cfg, tis_cap, normalizer=normalizer,
+            ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev))
+        weight_metrics = {k: metrics.pop(k) for k in ("tis_weight_mean", "tis_clip_frac") if k in metrics}
+        mask = mb.mask.to(dev)
         n = mask.sum().clamp(min=1)
         metrics["entropy"] = (entropy.detach() * mask).sum() / n
         metrics["nll"] = -(logprobs.detach() * mask).sum() / n
-        metrics.update(tis_metrics)
+        metrics.update(weight_metrics)
         return contribution, metrics
 
     return fn

@@ -114,7 +114,8 @@ class DualTrackReward:
         return {name: normalize_track(x, result.group_index, mode) for name, x in result.components().items()}
 
     def score(self, samples: Sequence[Sample], *, update: bool = True) -> RewardResult:
-        """Score a batch. ``update=False`` leaves all state (weights, step, counters) untouched."""
+        """Score a batch. ``update=False`` leaves all state (weights, step, counters) untouched; several
+        such batches (dynamic sampling's rounds) advance it once with :meth:`advance`."""
         t0 = time.perf_counter()
         samples = list(samples)
         bs = self.base_layer.score(samples)
@@ -124,27 +125,62 @@ class DualTrackReward:
         gidx, _ = group_index(samples)
 
         agreement = within_group_pearson(base, adv, gidx) if len(samples) > 1 else None
-        label = self._label
-        if self.eval_set is not None and (self._label is None or self.step % self.cfg.dynamic.eval_interval == 0):
-            label = self._label_agreement()
+        label = self._next_label()
         noise: dict[str, Optional[float]] = {}
         if update:
-            if self.cfg.dynamic.enabled:
-                noise = self._noise(samples, base, adv, gidx)
-            self.dynamic.update(noise, agreement, label)
-            self._label = label
-            self.step += 1
-            self.totals["checker_errors"] += bs.errors
-            self.totals["checker_timeouts"] += bs.timeouts
-            self.totals["judge_errors"] += judge_errors
+            noise = self._update_state(samples, base, adv, gidx, agreement, label,
+                                       (bs.errors, bs.timeouts, judge_errors))
+        counts = {"checker_errors": float(bs.errors), "checker_timeouts": float(bs.timeouts),
+                  "judge_errors": float(judge_errors), "unknown_task": float(bs.unknown_task),
+                  "no_checker": float(bs.no_checker), "checker_skips": float(bs.skipped)}
+        result = self._result(base, adv, gidx, bs.checker_scores, counts, messages)
+        extra = {}
+        if gated_frac is not None:
+            extra["reward/contrastive_gated_group_frac"] = gated_frac
+        if agreement is not None:
+            extra["reward/inter_track_agreement"] = agreement
+        for track in ("base", "advanced"):
+            if noise.get(track) is not None:
+                extra[f"reward/noise_{track}"] = noise[track]
+        for track, value in (label or {}).items():
+            if value is not None:
+                extra[f"reward/label_agreement_{track}"] = value
+        for key, values in bs.checker_scores.items():
+            applied = [v for v in values if v is not None]
+            if applied:
+                extra[f"reward/checker/{key}"] = sum(applied) / len(applied)
+        result.metrics.update(extra)
+        result.metrics["reward/score_seconds"] = time.perf_counter() - t0
+        return result
+
+    def _next_label(self) -> Optional[dict[str, Optional[float]]]:
+        """The label agreement the next state update uses (refreshed every ``dynamic.eval_interval`` steps)."""
+        if self.eval_set is not None and (self._label is None or self.step % self.cfg.dynamic.eval_interval == 0):
+            return self._label_agreement()
+        return self._label
+
+    def _update_state(self, samples, base, adv, gidx, agreement, label, counts) -> dict[str, Optional[float]]:
+        """One step of the reward state: dynamic weights from this evidence, the step, the counters."""
+        noise: dict[str, Optional[float]] = {}
+        if self.cfg.dynamic.enabled:
+            noise = self._noise(samples, base, adv, gidx)
+        self.dynamic.update(noise, agreement, label)
+        self._label = label
+        self.step += 1
+        for name, n in zip(("checker_errors", "checker_timeouts", "judge_errors"), counts):
+            self.totals[name] += int(n)
+        return noise
+
+    def _result(self, base, adv, gidx, checker_scores, counts: dict, messages) -> RewardResult:
+        """The result with ``total`` combined under the current weights, and its weight-dependent metrics."""
         weights = self.dynamic.weights
         total = self._combine(base, adv, gidx, weights)
-
+        n = len(base)
         metrics = {
-            "reward/base_mean": float(base.mean()) if len(samples) else 0.0,
-            "reward/advanced_mean": float(adv.mean()) if len(samples) else 0.0,
-            "reward/total_mean": float(total.mean()) if len(samples) else 0.0,
-            "reward/var_batch": float(total.var(unbiased=False)) if len(samples) else 0.0,
+            "reward/base_mean": float(base.mean()) if n else 0.0,
+            "reward/advanced_mean": float(adv.mean()) if n else 0.0,
+            "reward/total_mean": float(total.mean()) if n else 0.0,
+            "reward/var_batch": float(total.var(unbiased=False)) if n else 0.0,
             "reward/var_within_group": within_group_variance(total, gidx),
             "reward/base_var_within_group": within_group_variance(base, gidx),
             "reward/advanced_var_within_group": within_group_variance(adv, gidx),
@@ -152,35 +188,57 @@ class DualTrackReward:
             "reward/base_zero_var_group_frac": zero_variance_fraction(base, gidx),
             "reward/weight_base": weights["base"],
             "reward/weight_advanced": weights["advanced"],
-            "reward/checker_errors": float(bs.errors),
-            "reward/checker_timeouts": float(bs.timeouts),
-            "reward/checker_skips": float(bs.skipped),
-            "reward/judge_errors": float(judge_errors),
+            "reward/checker_errors": counts["checker_errors"],
+            "reward/checker_timeouts": counts["checker_timeouts"],
+            "reward/checker_skips": counts["checker_skips"],
+            "reward/judge_errors": counts["judge_errors"],
             "reward/checker_errors_total": float(self.totals["checker_errors"]),
             "reward/checker_timeouts_total": float(self.totals["checker_timeouts"]),
             "reward/judge_errors_total": float(self.totals["judge_errors"]),
-            "reward/unknown_task": float(bs.unknown_task),
-            "reward/no_checker": float(bs.no_checker),
+            "reward/unknown_task": counts["unknown_task"],
+            "reward/no_checker": counts["no_checker"],
             "reward/buffer_size": float(len(self.buffer)),
         }
-        if gated_frac is not None:
-            metrics["reward/contrastive_gated_group_frac"] = gated_frac
-        if agreement is not None:
-            metrics["reward/inter_track_agreement"] = agreement
-        for track in ("base", "advanced"):
-            if noise.get(track) is not None:
-                metrics[f"reward/noise_{track}"] = noise[track]
-        for track, value in (label or {}).items():
-            if value is not None:
-                metrics[f"reward/label_agreement_{track}"] = value
-        for key, values in bs.checker_scores.items():
-            applied = [v for v in values if v is not None]
-            if applied:
-                metrics[f"reward/checker/{key}"] = sum(applied) / len(applied)
-        metrics["reward/score_seconds"] = time.perf_counter() - t0
         return RewardResult(base=base.float(), advanced=adv.float(), total=total.float(), group_index=gidx,
-                            checker_scores=bs.checker_scores, weights=weights, metrics=metrics,
+                            checker_scores=checker_scores, weights=weights, metrics=metrics,
                             messages=messages)
+
+    def advance(self, samples: Sequence[Sample], results: Sequence[RewardResult]) -> list[RewardResult]:
+        """Advance the state once over several batches scored with ``update=False`` (one iteration's
+        dynamic-sampling rounds, ``samples`` = their samples in order), then return each result re-combined
+        under the new weights, so the whole iteration's totals share one set of weights.
+
+        The evidence of the step (noise probes, inter-track agreement) is everything sampled; the counters
+        advance by every round's errors. With one batch this is exactly ``score(update=True)``'s state step."""
+        samples = list(samples)
+        if len(samples) != sum(len(r.base) for r in results):
+            raise ValueError(f"advance: {len(samples)} samples but {sum(len(r.base) for r in results)} scored")
+        base = torch.cat([r.base.double() for r in results]) if results else torch.zeros(0, dtype=torch.float64)
+        adv = torch.cat([r.advanced.double() for r in results]) if results else torch.zeros(0, dtype=torch.float64)
+        # Each batch numbers its groups from 0: offset them so rounds' groups stay apart.
+        offsets = [0]
+        for r in results:
+            offsets.append(offsets[-1] + (int(r.group_index.max()) + 1 if len(r.group_index) else 0))
+        gidx = (torch.cat([r.group_index + o for r, o in zip(results, offsets)]) if results
+                else torch.zeros(0, dtype=torch.long))
+        agreement = within_group_pearson(base, adv, gidx) if len(samples) > 1 else None
+        counts = [sum(int(r.metrics.get(f"reward/{k}", 0.0)) for r in results)
+                  for k in ("checker_errors", "checker_timeouts", "judge_errors")]
+        noise = self._update_state(samples, base, adv, gidx, agreement, self._next_label(), counts)
+        out = []
+        for r in results:
+            keep = {k: r.metrics[f"reward/{k}"] for k in ("checker_errors", "checker_timeouts", "judge_errors",
+                                                             "unknown_task", "no_checker", "checker_skips")}
+            new = self._result(r.base.double(), r.advanced.double(), r.group_index, r.checker_scores, keep,
+                               r.messages)
+            new.metrics = {**r.metrics, **new.metrics}
+            for track in ("base", "advanced"):
+                if noise.get(track) is not None:
+                    new.metrics[f"reward/noise_{track}"] = noise[track]
+            if agreement is not None:
+                new.metrics["reward/inter_track_agreement"] = agreement
+            out.append(new)
+        return out
 
     # -- reliability -----------------------------------------------------------------------------------
     def _noise(self, samples: list[Sample], base: torch.Tensor, adv: torch.Tensor,

@@ -55,6 +55,10 @@ class RunContext:
                                                     "advice_fallbacks": 0, "sft_truncated": 0})
     alerts: list = field(default_factory=list)
     records: list = field(default_factory=list)
+    rollout_pipeline: object = None
+    """train.async_rollout.RolloutPipeline: rollouts in flight (rollout.max_staleness), saved with checkpoints."""
+    resumed_in_flight: object = None
+    """The resumed checkpoint's rollouts in flight (this rank's), for the pipeline to restore."""
     ckpt_queue: object = None
     """megatron-core's AsyncCallsQueue when checkpoint.async_save resolved to on, else None."""
 
@@ -128,7 +132,9 @@ class RunContext:
                  "reward_before": summary.get("reward_before"), "reference": self.reference is not None,
                  "monitor_control": control.state_dict() if control is not None else None,
                  "detector": self.detector.state_dict() if self.detector is not None else None}
-        local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None}
+        local = {"reward": self.reward.state_dict() if self.mp_rank == 0 else None,
+                 "rollouts_in_flight": (self.rollout_pipeline.state_dict() if self.rollout_pipeline is not None
+                                        else None)}
         # One asynchronous save in flight at a time: its host copy of the shards is freed first.
         self.finalize_saves(blocking=True)
         path = save_checkpoint(self.cfg.checkpoint.dir, iteration, self.chunks,
@@ -201,6 +207,7 @@ class RunContext:
         if self.detector is not None and state.get("detector"):
             self.detector.load_state_dict(state["detector"])
         saved = load_local_state(path)
+        self.resumed_in_flight = saved.get("rollouts_in_flight")
         if self.mp_rank == 0:
             if saved.get("reward") is None:
                 raise CheckpointError(f"{path}: rank {self.rank} holds the reward model but its saved state is empty")

@@ -85,13 +85,17 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
     return out
 
 
-def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+def _sampling(ctx, *, greedy: bool, seed: int):
     from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
-    sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                        top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
+    return Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                    top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
+
+
+def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
+    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+    sampling = _sampling(ctx, greedy=greedy, seed=seed)
     ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
     return ctx.engine.generate(prompt_ids, sampling)
 
@@ -102,16 +106,37 @@ def _unpack(out, n: int):
     return out.responses[:n], out.logprobs[:n], out.finished[:n]
 
 
-def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
-    """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
+@dataclass
+class RolloutRequest:
+    """What one call of the engine generates for this DP rank: G copies of its share of the prompts."""
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    seed: int
+
+
+def rollout_request(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutRequest:
+    """This DP rank's G samples of ``prompts`` (``round_index``: dynamic sampling's round), as a request."""
     G = ctx.cfg.rollout.group_size
     mine = prompts[ctx.dp_rank::ctx.dp]
     expanded = [p for p in mine for _ in range(G)]
     prompt_ids = [ids for ids in _encode_prompts(ctx, mine) for _ in range(G)]
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
-    responses, logprobs, finished = _unpack(_generate(ctx, prompt_ids, greedy=False, seed=seed), len(prompt_ids))
+    return RolloutRequest(expanded, prompt_ids, seed)
+
+
+def finish_rollouts(ctx, request: RolloutRequest, generation) -> "RolloutBatch":
+    """The engine's :class:`~dpcc_megatron.rollout.engine.Generation` of ``request`` as a batch."""
+    responses, logprobs, finished = _unpack(generation, len(request.prompt_ids))
     texts = [ctx.tokenizer.decode(r) for r in responses]
-    return RolloutBatch(expanded, prompt_ids, responses, texts, logprobs, finished, ctx.tokenizer.pad_id)
+    return RolloutBatch(request.prompts, request.prompt_ids, responses, texts, logprobs, finished,
+                        ctx.tokenizer.pad_id)
+
+
+def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
+    """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
+    req = rollout_request(ctx, prompts, iteration, round_index)
+    return finish_rollouts(ctx, req, _generate(ctx, req.prompt_ids, greedy=False, seed=req.seed))
 
 
 @dataclass
@@ -165,20 +190,52 @@ def _samples(ctx, prompts, texts, response_ids, group_ids):
     return out
 
 
-def score_rollouts(ctx, rollouts: RolloutBatch) -> Rewards:
-    """Scored once per model-parallel group (sandboxed code runs are not repeated TP x PP times)."""
+def score_rollouts(ctx, rollouts: RolloutBatch, *, pending: Optional[list] = None) -> Rewards:
+    """Scored once per model-parallel group (sandboxed code runs are not repeated TP x PP times).
+
+    ``pending``: a list that collects this round's scored samples instead of advancing the reward
+    state (dynamic sampling's rounds); :func:`advance_rounds` then advances it once for all of them."""
     G = ctx.cfg.rollout.group_size
     payload = None
     if ctx.mp_rank == 0:
         samples = _samples(ctx, rollouts.prompts, rollouts.texts, rollouts.response_ids,
                            [i // G for i in range(len(rollouts.texts))])
-        res = ctx.reward.score(samples)
-        ctx.reward.push_buffer(samples, res)
-        norm = ctx.reward.normalized_components(res)
-        components = torch.stack([norm["base"], norm["advanced"]], -1).float()
-        payload = (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics),
-                   components)
+        res = ctx.reward.score(samples, update=pending is None)
+        if pending is None:
+            ctx.reward.push_buffer(samples, res)
+        else:
+            pending.append((samples, res))
+        payload = _payload(ctx, res)
+    return _shared_rewards(ctx, payload)
+
+
+def advance_rounds(ctx, pending: list) -> list[Rewards]:
+    """Advance the reward state once over every round in ``pending`` (from :func:`score_rollouts`) and
+    return each round's rewards re-combined under the new weights; the rounds' samples then join the
+    older-policy buffer."""
+    payloads = None
+    if ctx.mp_rank == 0:
+        samples = [s for batch, _ in pending for s in batch]
+        results = ctx.reward.advance(samples, [res for _, res in pending])
+        for (batch, _), res in zip(pending, results):
+            ctx.reward.push_buffer(batch, res)
+        payloads = [_payload(ctx, res) for res in results]
     if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
+        box = [payloads]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(ctx.mp_group, 0), group=ctx.mp_group)
+        payloads = box[0]
+    return [_shared_rewards(ctx, p, broadcast=False) for p in payloads]
+
+
+def _payload(ctx, res) -> tuple:
+    norm = ctx.reward.normalized_components(res)
+    components = torch.stack([norm["base"], norm["advanced"]], -1).float()
+    return (res.total.float(), res.base.float(), res.advanced.float(), dict(res.weights), dict(res.metrics),
+            components)
+
+
+def _shared_rewards(ctx, payload, broadcast: bool = True) -> Rewards:
+    if broadcast and dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
         box = [payload]
         dist.broadcast_object_list(box, src=dist.get_global_rank(ctx.mp_group, 0), group=ctx.mp_group)
         payload = box[0]

@@ -13,11 +13,12 @@ the prompt stream, and with it resume, stays identical on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .rollout import RolloutBatch, Rewards, make_rollouts, score_rollouts
+from .rollout import RolloutBatch, Rewards, advance_rounds, make_rollouts, score_rollouts
 
 
 @dataclass
@@ -27,7 +28,33 @@ class IterationSamples:
     prompts_drawn: int
     """Prompts taken from the dataset this iteration (all DP ranks' shares, every round)."""
     metrics: dict = field(default_factory=dict)
-    """``ds_*`` counts and ``reward_mean_sampled`` (over everything sampled) when dynamic sampling is on."""
+    """``ds_*`` counts, ``reward_mean_sampled`` and the rule-track statistics over everything sampled
+    (``reward_base_mean``, ``reward_base_std``, ``zero_var_frac_base``) when dynamic sampling is on."""
+    padded: Optional[torch.Tensor] = None
+    """bool [rows]: rows of padding groups (dynamic sampling's batch still short), None without any."""
+    weight_version: Optional[int] = None
+    """The weight version (iteration whose starting weights) that sampled every row of this batch, set by
+    train/async_rollout.py when rollout.max_staleness >= 1; None: the iteration's own weights."""
+
+    @property
+    def weight_versions(self) -> Optional[torch.Tensor]:
+        """int64 [rows]: the version that produced each sample (one request per batch: all equal)."""
+        if self.weight_version is None:
+            return None
+        return torch.full((len(self.rollouts.texts),), self.weight_version, dtype=torch.long)
+
+    def to_batch(self, advantages: torch.Tensor):
+        """The training batch: padding rows get advantage 0 and an all-False mask, so they contribute
+        nothing to the loss, its normaliser (token, sequence and row counts) or the reference-KL term."""
+        if self.padded is None or not bool(self.padded.any()):
+            return self.rollouts.to_batch(advantages)
+        pad = self.padded
+        adv = advantages.clone()
+        adv[pad] = 0.0
+        batch = self.rollouts.to_batch(adv)
+        batch.mask[pad] = False
+        batch.sampler_logprobs[pad] = 0.0
+        return batch
 
 
 def informative_groups(base: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -55,24 +82,31 @@ def sample_iteration(ctx, iteration: int) -> IterationSamples:
     need = P // ctx.dp  # groups per DP rank
     rounds: list[tuple[RolloutBatch, Rewards]] = []
     flags: list[torch.Tensor] = []
+    pending: list = []  # scored samples whose reward-state step waits for the last round
     for r in range(cfg.rollout.dynamic_sampling_max_rounds):
         prompts = ctx.dataset.next_batch(P)
         rollouts = make_rollouts(ctx, prompts, iteration, round_index=r)
-        rewards = score_rollouts(ctx, rollouts)
+        rewards = score_rollouts(ctx, rollouts, pending=pending)
         rounds.append((rollouts, rewards))
-        flags.append(informative_groups(rewards.base, G))
+        flags.append(informative_groups(rewards.base, G))  # the rule track: independent of the weights
         full = sum(int(f.sum()) for f in flags) >= need
         if _all_ranks(full):
             break
+    rounds = [(ro, rw) for (ro, _), rw in zip(rounds, advance_rounds(ctx, pending))]
     picked = choose_groups(flags, need)
     kept = sum(1 for r, g in picked if flags[r][g])
     rollouts = RolloutBatch.concat([rounds[r][0].select_groups([g], G) for r, g in picked])
     rewards = Rewards.concat([rounds[r][1].select_groups([g], G) for r, g in picked])
+    padded = torch.tensor([not bool(flags[r][g]) for r, g in picked for _ in range(G)], dtype=torch.bool)
     sampled = torch.cat([rw.total.float() for _, rw in rounds])
+    base = torch.cat([rw.base.double() for _, rw in rounds])
+    base_groups = base.view(-1, G)
     metrics = {"ds_rounds": len(rounds), "ds_sampled_groups": sum(len(f) for f in flags),
                "ds_kept_groups": kept, "ds_dropped_groups": sum(len(f) for f in flags) - kept,
                "ds_padded_groups": need - kept, "reward_mean_sampled": float(sampled.float().mean())}
-    return IterationSamples(rollouts, rewards, P * len(rounds), _sum_over_dp(ctx, metrics))
+    sums = {"base_sum": float(base.sum()), "base_sq_sum": float((base * base).sum()), "base_n": float(base.numel()),
+            "base_zero_var_groups": float((base_groups.amax(-1) == base_groups.amin(-1)).sum())}
+    return IterationSamples(rollouts, rewards, P * len(rounds), _sum_over_dp(ctx, metrics, sums), padded)
 
 
 def _all_ranks(flag: bool) -> bool:
@@ -84,16 +118,25 @@ def _all_ranks(flag: bool) -> bool:
     return bool(t.item() > 0)
 
 
-def _sum_over_dp(ctx, metrics: dict) -> dict:
-    """Group counts over all DP ranks; the reward mean averaged over them (equal sample counts)."""
+def _sum_over_dp(ctx, metrics: dict, sums: dict) -> dict:
+    """Group counts over all DP ranks; the reward mean averaged over them (equal sample counts); the
+    rule-track mean, std and zero-variance group share of everything sampled on every DP rank."""
     keys = [k for k in metrics if k.endswith("_groups")]
-    t = torch.tensor([float(metrics[k]) for k in keys] + [metrics["reward_mean_sampled"]], dtype=torch.float64)
+    t = torch.tensor([float(metrics[k]) for k in keys] + [metrics["reward_mean_sampled"]] + list(sums.values()),
+                     dtype=torch.float64)
     if torch.cuda.is_available():
         t = t.cuda()
     if dist.is_initialized() and ctx.dp > 1:
         dist.all_reduce(t, group=ctx.dp_group)
-        t[-1] /= ctx.dp
+        t[len(keys)] /= ctx.dp
+    t = t.cpu()
     out = dict(metrics)
-    out.update({k: int(round(float(v))) for k, v in zip(keys, t[:-1])})
-    out["reward_mean_sampled"] = float(t[-1])
+    out.update({k: int(round(float(v))) for k, v in zip(keys, t[:len(keys)])})
+    out["reward_mean_sampled"] = float(t[len(keys)])
+    s = dict(zip(sums, (float(v) for v in t[len(keys) + 1:])))
+    n = max(s["base_n"], 1.0)
+    mean = s["base_sum"] / n
+    out["reward_base_mean"] = mean
+    out["reward_base_std"] = max(s["base_sq_sum"] / n - mean * mean, 0.0) ** 0.5
+    out["zero_var_frac_base"] = s["base_zero_var_groups"] / max(out["ds_sampled_groups"], 1)
     return out

@@ -22,11 +22,11 @@ from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
 from ..rollout.engine import RefitError
+from .async_rollout import RolloutPipeline
 from .context import RunContext, setup_run
 from .control import MonitorControl
 from .logging import ConsoleLogger
 from .rollout import RolloutBatch, evaluate_greedy
-from .sampling import sample_iteration
 from .timing import PhaseTimer
 from .trainer_totals import total_optimizer_steps
 from .update import policy_update, probe_drift, probe_samples, sft_update
@@ -101,6 +101,9 @@ def train(cfg: JobConfig) -> dict:
         summary["reward_before"] = ctx.resumed_state.get("reward_before")
         control.load_state_dict(ctx.resumed_state.get("monitor_control"))
 
+    pipeline = ctx.rollout_pipeline = RolloutPipeline(ctx)  # rollout.max_staleness (train/async_rollout.py)
+    if start_iteration:
+        pipeline.load_state_dict(ctx.resumed_in_flight, ctx)  # the checkpoint's rollouts in flight
     iteration = start_iteration
     stop_reason = "completed"
     stop_kind = "completed"
@@ -111,24 +114,27 @@ def train(cfg: JobConfig) -> dict:
         t0 = time.time()
         try:
             with timer.phase("rollout"):
-                samples = sample_iteration(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+                samples = pipeline.take(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
+                pipeline.submit_ahead(ctx, iteration, cfg.train.iterations)  # max_staleness >= 1: the next rollouts
         except RefitError:  # the rollout engine could not take the current weights: stop, keep them
             if cfg.checkpoint.dir:
                 ctx.save(iteration, controller, summary)
             raise
-        ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
+        if not pipeline.overlapping:  # an engine generating the next rollouts stays awake
+            ctx.engine.sleep()  # give its memory to training until the next refit (vLLM on GPU; no-op otherwise)
         rollouts: RolloutBatch = samples.rollouts
         rewards = samples.rewards
         adv, adv_metrics = group_advantages(rewards.for_advantages, cfg.rollout.group_size, cfg.loss.advantage,
                                             cfg.loss.advantage_eps, per_component=cfg.loss.advantage_per_component,
                                             weights=rewards.weights)
-        batch = rollouts.to_batch(adv)
+        batch = samples.to_batch(adv)  # dynamic sampling's padding rows masked out
         with timer.phase("logprobs_old"):
             old_lp, entropy = ctx.logprobs(batch)
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         with timer.phase("logprobs_ref"):
             batch.ref_logprobs = ctx.ref_logprobs(batch)  # None without a reference model
         lp_stats = ctx.logprob_stats(batch, rollouts, old_lp, entropy)
+        staleness = pipeline.staleness_fields(ctx, controller, samples, batch, iteration)  # tells DPCC kl_behaviour
         release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
         timer.start("update")
@@ -164,6 +170,7 @@ def train(cfg: JobConfig) -> dict:
                                       step_metrics, controller, time.time() - t0,
                                       step_kl_after=probe_kl if one_step else None)
         record.update(samples.metrics)
+        record.update(staleness)
         if ctx.evaluator is not None:  # the evaluation of the weights this iteration sampled with, if one ran
             record.update(ctx.evaluator.record_fields(iteration))
         record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
@@ -185,6 +192,7 @@ def train(cfg: JobConfig) -> dict:
             back = ctx.rollback_to(advice[2], controller)
             if back is not None:
                 iteration = back
+                pipeline.reset()  # rollouts of the abandoned weights are not trained on
                 control.rolled_back()
                 consecutive_skips = 0
                 continue
@@ -193,6 +201,7 @@ def train(cfg: JobConfig) -> dict:
             control.apply(advice)
 
         if ctx.evaluator.due(iteration) and iteration < cfg.train.iterations:
+            pipeline.wait_idle()  # a background generation finishes before the evaluation refits the engine
             with timer.phase("eval"):
                 evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
         stop = _agree(1.0 if signals.requested else 0.0) > 0
@@ -233,6 +242,7 @@ def train(cfg: JobConfig) -> dict:
             cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0):
         with timer.phase("checkpoint"):
             ctx.save(iteration, controller, summary, control)
+    pipeline.close()
     with timer.phase("checkpoint"):
         ctx.finalize_saves(blocking=True)  # the last checkpoint is complete (and `latest` names it) before exit
     summary.update(timer.after_last_record())

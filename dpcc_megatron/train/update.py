@@ -67,9 +67,8 @@ def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobCon
                  dp_size: int, dp_group, pp_group, vocab_size: int) -> tuple[dict, float, bool]:
     """The policy loss over ``batch``'s micro-batches through the schedule, shared by the update
     and the drift probe. Returns (reduced metrics, KL(pi_old || pi_theta), non-finite logits)."""
-    # Dr. GRPO divides by the generation budget (B * max_new_tokens), not the padded length.
-    normalizer = global_normalizer(batch, dp_group, max_len=cfg.rollout.max_new_tokens)
-    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, cfg.precision.tis_cap)
+    normalizer = rl_normalizer(batch, dp_group, cfg.rollout.max_new_tokens)
+    loss_fn = policy_loss_fn(controller.loss_config(cfg.loss), normalizer, behaviour_cap(cfg))
     parts, _ = micro_batches(batch, cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch)
     with router_stats(chunks) as moe:  # per-layer expert load, dropped tokens, aux losses (MoE only)
         outputs = run_schedule(chunks, parts, loss_fn, forward_only=forward_only, vocab_size=vocab_size,
@@ -81,6 +80,24 @@ def _policy_pass(chunks, controller: DPCCController, batch: RLBatch, cfg: JobCon
     # the controller counts a non-finite observation (NaN) and keeps its state.
     kl = float("nan") if nonfinite else metrics[f"kl_{cfg.loss.dpcc.kl_estimator}"]
     return metrics, kl, nonfinite
+
+
+def behaviour_cap(cfg: JobConfig):
+    """C of the decoupled objective's behaviour weight for this run, or None (algo/decoupled.py)."""
+    from ..algo.decoupled import resolve_behaviour_cap
+
+    return resolve_behaviour_cap(cfg.loss.behaviour_is_cap, cfg.precision.tis_cap, cfg.rollout.max_staleness)
+
+
+def rl_normalizer(batch: RLBatch, dp_group, max_new_tokens: int):
+    """The mini-batch's global loss normaliser. Dr. GRPO divides by the generation budget
+    (B * max_new_tokens), not the padded length, and B counts the rows holding a response token:
+    every sampled response has at least one, so an all-masked row is dynamic sampling's padding
+    (train/sampling.py), which must not enlarge the denominator."""
+    import dataclasses
+
+    normalizer = global_normalizer(batch, dp_group, max_len=max_new_tokens)
+    return dataclasses.replace(normalizer, num_rows=normalizer.num_seqs)
 
 
 def policy_update(chunks, optimizer, scheduler, controller: DPCCController, batch: RLBatch, cfg: JobConfig,

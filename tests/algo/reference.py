@@ -193,3 +193,37 @@ def kl_cov_reference(lp, old, adv, mask, ratio, coef):
             vals[b][t] += coef * abs(lr)
             grads[b][t] += coef * ((lr > 0) - (lr < 0)) * (1.0 if abs(raw) <= CLAMP else 0.0)
     return _aggregate(vals, grads, mask, "token_mean")
+
+
+def decoupled_reference(name, lp, prox, behaviour, adv, mask, cap, **kwargs):
+    """The decoupled objective by loops: each token's loss term (ratio against ``prox``) and its
+    derivative times w = min(exp(prox - behaviour), cap); ``cap`` None: no weight. Only for losses
+    whose per-token term is computed token by token here (the PPO family, cispo, dpcc)."""
+    B, T = len(mask), len(mask[0])
+    w = [[(min(math.exp(prox[b][t] - behaviour[b][t]), cap) if cap is not None else 1.0) if mask[b][t] else 0.0
+          for t in range(T)] for b in range(B)]
+    lo_hi = {"grpo": ("clip_eps", "clip_eps"), "dr_grpo": ("clip_eps", "clip_eps"), "dapo": ("eps_low", "eps_high")}
+    agg = {"grpo": "seq_mean_token_mean", "dapo": "token_mean", "dr_grpo": "token_sum_norm",
+           "cispo": "token_mean", "dpcc": "token_mean"}[name]
+    vals, grads = _zeros(mask), _zeros(mask)
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            a = _per_token_adv(adv, b, t)
+            if name in lo_hi:
+                k_lo, k_hi = lo_hi[name]
+                eps_lo = kwargs.get(k_lo, 0.2)
+                eps_hi = kwargs.get(k_hi, 0.2 if k_hi == "clip_eps" else 0.28)
+                v, g = _ppo_token(a, lp[b][t], prox[b][t], 1 - eps_lo, 1 + eps_hi, kwargs.get("dual_c"))
+            else:
+                r, _ = _ratio(lp[b][t], prox[b][t])
+                if name == "cispo":
+                    ww = min(r, 1 + kwargs.get("cispo_high", 0.28))
+                    v, g = -ww * a * lp[b][t], -ww * a
+                else:
+                    ww = dpcc_weight(r, a, kwargs.get("tau", 1.28), kwargs.get("truncation", "decay"),
+                                     kwargs.get("decay_power", 2.0))
+                    v, g = -ww * a, -ww * a
+            vals[b][t], grads[b][t] = w[b][t] * v, w[b][t] * g
+    return _aggregate(vals, grads, mask, agg)
