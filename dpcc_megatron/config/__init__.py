@@ -50,6 +50,10 @@ class JobConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Experiment loggers (TensorBoard, wandb)."""
 
+    def _validate_vllm_layout(self) -> None:
+        problem = _vllm_layout_problem(self)
+        check(problem is None, "rollout.vllm.tensor_parallel_size", problem or "")
+
     def validate(self) -> None:
         """Checks that span sections."""
         # TIS scales each token's advantage, which equals weighting its loss only for losses that are
@@ -57,6 +61,8 @@ class JobConfig:
         check(self.precision.tis_cap is None or self.loss.name not in ("clip_cov", "kl_cov"), "precision.tis_cap",
               f"cannot be combined with loss.name={self.loss.name!r} (its token selection and |log r| penalty "
               "do not scale with the advantage); unset one of them")
+        if self.rollout.engine == "vllm":
+            self._validate_vllm_layout()
         budget = self.train.max_tokens_per_micro_batch
         check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
               "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "
@@ -65,6 +71,20 @@ class JobConfig:
         check(budget == 0 or budget >= longest, "train.max_tokens_per_micro_batch",
               f"must be 0 or hold one sequence of up to data.max_prompt_len + rollout.max_new_tokens = {longest} "
               f"tokens, got {budget}")
+
+
+def _vllm_layout_problem(cfg: "JobConfig") -> Optional[str]:
+    """Why ``rollout.vllm.tensor_parallel_size`` cannot serve this model at this layout (None when it can)."""
+    mp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    w = cfg.rollout.vllm.tensor_parallel_size or mp
+    heads = cfg.model.num_attention_heads
+    groups = cfg.model.num_query_groups or heads
+    if w > mp or mp % w:
+        return (f"must divide the model-parallel group's size TP x PP = {mp} (one vLLM worker per trainer "
+                f"device of a replica), got {w}")
+    if heads % w or groups % w:
+        return f"must divide model.num_attention_heads ({heads}) and model.num_query_groups ({groups}), got {w}"
+    return None
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> JobConfig:
