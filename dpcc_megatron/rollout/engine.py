@@ -24,7 +24,12 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 
-class RefitError(RuntimeError):
+class EngineFailure(RuntimeError):
+    """The rollout engine failed (a refit, a generate, a dead engine process): the run must stop with a
+    checkpoint, on every rank alike."""
+
+
+class RefitError(EngineFailure):
     """Loading the trainer's weights into the rollout engine failed; rollouts must not continue
     from the engine's stale weights (raised on every rank alike)."""
 

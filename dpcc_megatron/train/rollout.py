@@ -86,13 +86,14 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
 
 
 def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+    """Through the rollout engine's interface only: generate from the current weights (the trainer refits
+    the engine after its optimizer steps; this refits only if the weights changed since, e.g. a rollback)."""
     from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
     sampling = Sampling(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
                         top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
-    ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
+    ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)  # never generate from stale weights
     return ctx.engine.generate(prompt_ids, sampling)
 
 
