@@ -587,8 +587,9 @@ class VLLMEngine(RefitByVersion):
                             raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
                                              f"sent {s:.6g}")
                 call_watched(self.llm, "prefix-cache reset", self.llm.reset_prefix_cache)
-                if self._sleeping:
+                if self._sleeping:  # weights first, then the KV cache
                     self._wake(["kv_cache"])
+                    self._sleeping = False
         except Exception as e:
             error = str(e) if isinstance(e, RefitError) else f"{type(e).__name__}: {e}"
         finally:

@@ -309,6 +309,6 @@ def test_dead_engine_gives_every_rank_a_clear_error(fp32):
     name = _name(LAYOUTS[-1])
     for rank_results in fp32:
         dead = rank_results[name]["dead"]
-        assert dead["generate"] and dead["generate"].startswith("RuntimeError: rollout.engine: vllm generate failed")
+        assert dead["generate"] and dead["generate"].startswith("EngineFailure: rollout.engine: vllm generate failed")
         assert dead["refit"] and dead["refit"].startswith("RefitError: ") and "stale weights" in dead["refit"]
         assert dead["seconds"] < 120
