@@ -82,8 +82,9 @@ def _vllm_layout_problem(cfg: "JobConfig") -> Optional[str]:
     if w > mp or mp % w:
         return (f"must divide the model-parallel group's size TP x PP = {mp} (one vLLM worker per trainer "
                 f"device of a replica), got {w}")
-    if heads % w or groups % w:
-        return f"must divide model.num_attention_heads ({heads}) and model.num_query_groups ({groups}), got {w}"
+    if heads % w or (groups % w and w % groups):
+        return (f"must divide model.num_attention_heads ({heads}) and divide or be a multiple of "
+                f"model.num_query_groups ({groups}; vLLM replicates K/V heads beyond it), got {w}")
     return None
 
 

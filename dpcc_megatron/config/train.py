@@ -116,7 +116,8 @@ class VLLMRolloutConfig:
     tensor_parallel_size: Optional[int] = None
     """vLLM's tensor-parallel size W: one engine per model-parallel group, its W workers on the devices of
     the group's first W ranks (one worker per trainer device). None: the group's size TP x PP, so one
-    engine spans exactly one training replica. Must divide TP x PP and the attention heads and query groups;
+    engine spans exactly one training replica. Must divide TP x PP and the attention heads, and divide or
+    be a multiple of the query groups (vLLM replicates K/V heads);
     `dpcc-megatron plan` says whether a smaller W fits memory."""
     refit_bucket_mb: float = 512.0
     """Size of the buckets the refit streams the weights in: every rank holds its shards, one bucket and

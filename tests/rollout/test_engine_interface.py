@@ -194,9 +194,11 @@ def test_vllm_tensor_parallel_size_is_validated_naming_the_key():
     assert load_config(overrides=base + ["rollout.vllm.tensor_parallel_size=1"]).rollout.vllm.tensor_parallel_size == 1
     with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*must divide the model-parallel"):
         load_config(overrides=base + ["rollout.vllm.tensor_parallel_size=4"])
-    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*num_query_groups"):
-        load_config(overrides=["rollout.engine=vllm", "parallel.tensor_model_parallel_size=4",
-                               "model.num_attention_heads=4", "model.num_query_groups=2"])
+    # vLLM replicates K/V heads: W may be a multiple of the query groups, but must divide the heads
+    assert load_config(overrides=base[:1] + ["parallel.tensor_model_parallel_size=4", "model.num_attention_heads=4",
+                                             "model.num_query_groups=2"]).rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*num_attention_heads \(4\)"):
+        load_config(overrides=base + ["parallel.pipeline_model_parallel_size=3", "model.num_layers=6"])
     for key, bad in (("refit_bucket_mb", 0), ("gpu_memory_utilization", 1.5), ("sleep_level", 3)):
         with pytest.raises(ConfigError, match=f"rollout.vllm.{key}"):
             load_config(overrides=[f"rollout.vllm.{key}={bad}"])
