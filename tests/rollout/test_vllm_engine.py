@@ -193,10 +193,17 @@ def _unit_bytes(cfg) -> int:
 
 
 @pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
-    """One 2-rank job for the module (rank start-up and the engine start are paid once)."""
+def fp32(tmp_path_factory, request):
+    """One 2-rank job for the module (rank start-up and the engine start are paid once).
+
+    It runs with pytest's file-descriptor capture suspended. Measured: under ``--capture=fd`` (pytest's
+    default, which points the processes' fd 1 and 2 at a temporary file) the first one or two refits
+    of this TP2 engine served wrong weights in 4 runs of 4, while the same job passed in every run with
+    ``--capture=sys``, ``-s``, or outside pytest (6 runs); the cause is not known."""
     shm = tmp_path_factory.mktemp("shm")
-    return run_multirank(_job, 2, args=(str(shm),), timeout=900)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return run_multirank(_job, 2, args=(str(shm),), timeout=900)
 
 
 def _max_gap(a, b) -> float:
@@ -275,7 +282,8 @@ def test_refit_memory_is_bounded_and_leaves_nothing_in_shm(fp32):
         for lay in LAYOUTS:
             r = rank[_name(lay)]
             bucket, unit = max(r["buckets"]), r["unit_bytes"]
-            assert len(r["buckets"]) >= 10 and bucket <= BUCKET_MB * 2**20  # no tensor exceeds 128 KiB here
+            # the largest module, gate + up of one layer, is 256 KiB: a bucket of its own
+            assert len(r["buckets"]) >= 10 and bucket <= 2 * BUCKET_MB * 2**20
             # one bucket buffer, plus while converting one unit: its gathered tensors, its HF tensors and
             # the TP all-gather's parts and concatenation of one tensor
             assert 0 < r["peak"] <= bucket + 3 * unit, (_name(lay), r["peak"], bucket, unit)

