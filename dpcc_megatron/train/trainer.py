@@ -84,6 +84,7 @@ def train(cfg: JobConfig) -> dict:
     dpcc_probe = cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe
 
     release = release_memory_enabled(cfg.train.release_memory_between_phases)
+    ctx.engine.sleep()  # until its first refit the engine's GPU memory goes to the warm-start and the optimizers
     start_iteration = ctx.resume(controller)
     if start_iteration == 0:
         warm_start(ctx)
