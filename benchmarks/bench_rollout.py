@@ -7,8 +7,9 @@ prompts, G, max tokens and sampling (temperature 1, no stop token, so every resp
 full length) go through both engines, after one warm-up call each. Reported: tokens/s of each
 (response tokens / wall time of one generate call, median of --repeats), the vLLM refit time
 (gather from the Megatron shards + copy into shared memory + in-place reload + prefix-cache reset)
-and its ratio to vLLM's rollout time; for comparison, the same refit with the weights pickled through
-the RPC (``refit_pickled_s``). One gloo rank (world 1); vLLM's engine core runs in its own spawned process.
+and its ratio to vLLM's rollout time, and ``refit_peak_extra_over_model`` (the largest extra bytes the rank
+held during a streamed refit, over the model's bytes). One gloo rank (world 1); vLLM's engine core runs in
+its own spawned process.
 Ends with one JSON line: ``vllm_over_megatron_tokens_per_s`` and ``refit_over_rollout_time``
 at the large size. Targets: >= 3x, <= 0.10.
 """
@@ -62,14 +63,14 @@ def _bench(rank, world, args, out_dir):
         groups = dict(tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group())
         meg = MegatronEngine(chunks, vocab_size=vocab, pad_id=0, batch_size=len(batch), **groups)
         t0 = time.time()
-        eng = build_vllm_engine(chunks, cfg, "fp32", vocab_size=vocab, eos_id=None, model_dir=f"{out_dir}/{size}",
-                                host=True, mp_group=ps.get_model_parallel_group(), **groups)
+        eng = build_vllm_engine(chunks, cfg, "fp32", vocab_size=vocab, eos_id=None, host=True,
+                                mp_group=ps.get_model_parallel_group(), **groups)
         start_s = time.time() - t0
         try:
             meg.generate(batch, sampling)  # warm-up
             eng.update_weights(chunks)
             eng.generate(batch, sampling)  # warm-up
-            m_times, v_times, refits, pickled, parts, tokens = [], [], [], [], [], None
+            m_times, v_times, refits, parts, tokens = [], [], [], [], None
             for rep in range(args.repeats):  # interleaved
                 t0 = time.time()
                 m = meg.generate(batch, sampling)
@@ -77,11 +78,6 @@ def _bench(rank, world, args, out_dir):
                 with torch.no_grad():  # a training step's worth of change, so the refit moves real weights
                     for p in chunks[0].parameters():
                         p.mul_(1.0 + 1e-4)
-                if eng.shared is not None:  # the same refit with the weights pickled through the RPC instead
-                    shared, eng.shared = eng.shared, None
-                    eng.update_weights(chunks)
-                    pickled.append(eng.last_refit_s)
-                    eng.shared = shared
                 eng.update_weights(chunks)
                 refits.append(eng.last_refit_s)
                 parts.append(eng.last_refit_parts)
@@ -98,7 +94,7 @@ def _bench(rank, world, args, out_dir):
                          "megatron_tokens_per_s": round(tokens[0] / mt, 1), "vllm_tokens_per_s": round(tokens[1] / vt, 1),
                          "vllm_over_megatron_tokens_per_s": round((tokens[1] / vt) / (tokens[0] / mt), 3),
                          "refit_s": round(rt, 4), "refit_over_rollout_time": round(rt / vt, 4),
-                         "refit_pickled_s": round(statistics.median(pickled), 4) if pickled else None,
+                         "refit_peak_extra_over_model": round(eng.last_refit_peak_bytes / (4 * params), 4),
                          "vllm_start_s": round(start_s, 1),
                          "refit_parts_s": {k: round(statistics.median(p[k] for p in parts), 4) for k in parts[0]}}
         del chunks, meg, eng
@@ -121,11 +117,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as d:
         res = run_multirank(_bench, 1, args=(args, d), timeout=1800)[0]
     print(f"{'size':6} {'params':>10} {'megatron tok/s':>15} {'vllm tok/s':>11} {'vllm/megatron':>14} "
-          f"{'refit s':>8} {'refit/rollout':>14} {'pickled refit s':>16} {'vllm start s':>13}")
+          f"{'refit s':>8} {'refit/rollout':>14} {'refit peak/model':>16} {'vllm start s':>13}")
     for size, r in res.items():
         print(f"{size:6} {r['params']:>10} {r['megatron_tokens_per_s']:>15} {r['vllm_tokens_per_s']:>11} "
               f"{r['vllm_over_megatron_tokens_per_s']:>14} {r['refit_s']:>8} {r['refit_over_rollout_time']:>14} "
-              f"{str(r['refit_pickled_s']):>16} {r['vllm_start_s']:>13}")
+              f"{str(r['refit_peak_extra_over_model']):>16} {r['vllm_start_s']:>13}")
     big = res["large"]
     print(json.dumps({"vllm_over_megatron_tokens_per_s": big["vllm_over_megatron_tokens_per_s"],
                       "refit_over_rollout_time": big["refit_over_rollout_time"], "load_avg_1m_at_start": round(load, 1),

@@ -50,6 +50,10 @@ class JobConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Experiment loggers (TensorBoard, wandb)."""
 
+    def _validate_vllm_layout(self) -> None:
+        problem = _vllm_layout_problem(self)
+        check(problem is None, "rollout.vllm.tensor_parallel_size", problem or "")
+
     def validate(self) -> None:
         """Checks that span sections."""
         # TIS scales each token's advantage, which equals weighting its loss only for losses that are
@@ -74,6 +78,8 @@ class JobConfig:
         check(not off_policy or self.loss.name not in ("clip_cov", "kl_cov"), "rollout.max_staleness",
               f"(or loss.behaviour_is_cap) needs the behaviour importance weight, which loss.name="
               f"{self.loss.name!r} cannot carry (its token selection does not scale with the advantage)")
+        if self.rollout.engine == "vllm":
+            self._validate_vllm_layout()
         budget = self.train.max_tokens_per_micro_batch
         check(budget == 0 or not self.parallel.virtual_pipeline_model_parallel_size, "train.max_tokens_per_micro_batch",
               "must be 0 with parallel.virtual_pipeline_model_parallel_size: the interleaved schedule needs "
@@ -82,6 +88,21 @@ class JobConfig:
         check(budget == 0 or budget >= longest, "train.max_tokens_per_micro_batch",
               f"must be 0 or hold one sequence of up to data.max_prompt_len + rollout.max_new_tokens = {longest} "
               f"tokens, got {budget}")
+
+
+def _vllm_layout_problem(cfg: "JobConfig") -> Optional[str]:
+    """Why ``rollout.vllm.tensor_parallel_size`` cannot serve this model at this layout (None when it can)."""
+    mp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    w = cfg.rollout.vllm.tensor_parallel_size or mp
+    heads = cfg.model.num_attention_heads
+    groups = cfg.model.num_query_groups or heads
+    if w > mp or mp % w:
+        return (f"must divide the model-parallel group's size TP x PP = {mp} (one vLLM worker per trainer "
+                f"device of a replica), got {w}")
+    if heads % w or (groups % w and w % groups):
+        return (f"must divide model.num_attention_heads ({heads}) and divide or be a multiple of "
+                f"model.num_query_groups ({groups}; vLLM replicates K/V heads beyond it), got {w}")
+    return None
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> JobConfig:

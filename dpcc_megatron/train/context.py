@@ -40,6 +40,9 @@ class RunContext:
     """The frozen reference policy (megatron.reference.ReferencePolicy) when loss.ref_kl_coef > 0."""
     engine: object = None
     """The rollout engine (rollout/engine.py interface), built by train/engines.py."""
+    weight_version: int = 0
+    """Bumped whenever the training weights change (warm-start, optimizer steps, rollback); the engine
+    refits only when it serves another version (engine.refit_if_stale)."""
     monitor: object = None
     detector: object = None
     sidecar_advice: object = None

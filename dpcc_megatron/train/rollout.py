@@ -94,9 +94,10 @@ def _sampling(ctx, *, greedy: bool, seed: int):
 
 
 def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    """Through the rollout engine's interface only: refit it to the current weights, then generate."""
+    """Through the rollout engine's interface only: generate from the current weights (the trainer refits
+    the engine after its optimizer steps; this refits only if the weights changed since, e.g. a rollback)."""
     sampling = _sampling(ctx, greedy=greedy, seed=seed)
-    ctx.engine.update_weights(ctx.chunks)  # never generate from stale weights
+    ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)  # never generate from stale weights
     return ctx.engine.generate(prompt_ids, sampling)
 
 

