@@ -127,7 +127,9 @@ def bwrap_argv(python: str, scratch_mb: int) -> list[str]:
         argv += ["--ro-bind", path, path]
     for name, target in _root_links():
         argv += ["--symlink", target, name] if target else ["--ro-bind", name, name]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/scratch",
+    # /dev is a tmpfs of bubblewrap's without a size cap (its /dev/shm took 300 MiB past a 64 MiB
+    # scratch): read-only, so the size-capped scratch is the only writable place.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/scratch",
              "--chdir", "/scratch", "--remount-ro", "/"]
     return argv + [python]
 

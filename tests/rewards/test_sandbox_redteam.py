@@ -1,0 +1,69 @@
+"""Attacks found by an adversarial review of the sandbox, each a case that got through before its fix:
+trusted-side code chosen by the solution, a look-alike of a module the tests use, a hash-collision
+answer that held the trusted process past the deadline, and kernel memory outside the scratch cap."""
+import json
+import time
+
+import pytest
+
+from dpcc_megatron.rewards.sandbox import SandboxLimits, build_sandbox
+from dpcc_megatron.rewards.sandbox.driver import MAX_HASH_REPEATS, decode
+from dpcc_megatron.rewards.sandbox.judge import _trusted_module
+
+from .test_sandbox_escape import LIMITS, score
+
+_M = (1 << 61) - 1  # k * _M all hash to 0
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = build_sandbox(LIMITS)
+    assert sb.mode in ("bwrap", "namespaces"), sb.describe()
+    return sb
+
+
+def test_a_module_name_chosen_by_the_solution_runs_nothing_here(sandbox):
+    # a module object's __name__ is the solution's to set; importing `venv.__main__` here ran venv's
+    # command line in the trainer and raised SystemExit through the reward layer
+    code = "import sys\nm = type(sys)('venv.__main__')\nt = type(sys)('test.autotest')\ndef f():\n    return 1\n"
+    assert score(code, "assert f() == 1\nassert m is None or m.__name__ != 'venv.__main__'\n") == 0.0  # m not in scope
+    assert score(code) == 1.0  # the honest part still works; nothing ran here
+    for name in ("venv.__main__", "test.autotest", "idlelib.idle", "json._x", "antigravity"):
+        assert _trusted_module(name) is None, name
+    assert _trusted_module("math").__name__ == "math"
+
+
+def test_a_look_alike_of_numpy_decides_no_assert(sandbox):
+    fake = "class np:\n    allclose = staticmethod(lambda *a, **k: True)\ndef area(r):\n    return 0\n"
+    assert score(fake, "assert np.allclose(area(1), 3.14159, atol=1e-3)\n") == 0.0
+    honest = "import numpy as np\ndef area(r):\n    return np.pi * r * r\n"
+    assert score(honest, "assert np.allclose(area(1), 3.14159, atol=1e-3)\n") == 1.0
+
+
+def test_a_hash_collision_answer_is_refused_not_waited_for(sandbox):
+    # the answer is written straight into the protocol channel (cheap for the solution); building the
+    # set on the trusted side was quadratic: 60,000 such ints held a 3 s run for over a minute
+    body = ",".join(str(_M * k) for k in range(1, 60001))
+    code = ("import os, time\ndef f():\n    os.write(4, b'{\"ok\": {\"$s\": [%s]}}\\n')\n    time.sleep(30)\n" % body)
+    start = time.monotonic()
+    assert score(code, "assert f() == {1}\n", limits=SandboxLimits(timeout_s=3.0, memory_mb=512)) == 0.0
+    assert time.monotonic() - start < 6
+    with pytest.raises(ValueError, match="same hash"):
+        decode(json.loads('{"$d": [%s]}' % ",".join("[%d, 0]" % (_M * k) for k in range(1, 200))), None)
+    # honest sets and dicts, a few repeated hashes included (hash(-1) == hash(-2)), still decode
+    assert decode({"$s": list(range(-2, 1000))}, None) == set(range(-2, 1000))
+    assert len(decode({"$s": [_M * k for k in range(1, MAX_HASH_REPEATS)]}, None)) == MAX_HASH_REPEATS - 1
+
+
+def test_no_writable_place_but_the_capped_scratch(sandbox):
+    # bubblewrap's /dev is an uncapped tmpfs: /dev/shm took 300 MiB past a 64 MiB scratch
+    shm = "def f():\n    open('/dev/shm/x', 'wb').write(b'x')\n    return 1\n"
+    assert score(shm) == 0.0
+    assert score("def f():\n    open('/dev/null', 'wb').write(b'x')\n    return 1\n") == 1.0
+
+
+def test_open_files_are_bounded(sandbox):
+    # pipe buffers are kernel memory outside RLIMIT_AS: with the host's 20,000 fds a run buffered 124 MiB
+    code = ("import os\ndef f():\n    fds = []\n    try:\n        while len(fds) < 5000:\n            fds += os.pipe()\n"
+            "    except OSError:\n        pass\n    return len(fds)\n")
+    assert score(code, "assert f() <= 256\n") == 1.0
