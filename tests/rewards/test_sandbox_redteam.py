@@ -67,3 +67,12 @@ def test_open_files_are_bounded(sandbox):
     code = ("import os\ndef f():\n    fds = []\n    try:\n        while len(fds) < 5000:\n            fds += os.pipe()\n"
             "    except OSError:\n        pass\n    return len(fds)\n")
     assert score(code, "assert f() <= 256\n") == 1.0
+
+
+def test_forged_names_cannot_replace_the_tests_builtins(sandbox):
+    # the solution answers the setup itself on the protocol channel (fds 3 and 4), naming a
+    # `__builtins__` whose `abs` is its own function, then serves every call with 0
+    code = ("import os, json\n"
+            "os.write(4, json.dumps({'ok': {'__builtins__': {'$d': [['abs', {'$h': 0}]]}, 'f': {'$h': 0}}}).encode() + b'\\n')\n"
+            "for line in os.fdopen(3, 'r'):\n    os.write(4, b'{\"ok\": 0, \"after\": []}\\n')\n")
+    assert score(code, "assert abs(f(1) - 3.14159) < 1e-6\n") == 0.0

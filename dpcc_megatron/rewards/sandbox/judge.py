@@ -220,7 +220,7 @@ def test_scope(names: dict, body: list[ast.stmt]) -> dict:
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     out = {}
     for name, value in names.items():
-        if hasattr(builtins, name):
+        if hasattr(builtins, name) or name.startswith("__"):  # `__builtins__` would replace the tests' built-ins
             continue
         if name in _ALIASES and not isinstance(value, type(sys)):  # `class np: allclose = ...` decides no assert
             value = _trusted_module(_ALIASES[name])
@@ -284,8 +284,8 @@ def run_judge(session: Session, source: str, setup: dict, body: list[ast.stmt], 
         return {**verdict, "error": e.reason, "timed_out": e.timed_out}
     except Exception as e:
         return {**verdict, "error": "solution: " + _describe(e)}
-    scope = {"__builtins__": builtins, "__name__": "tests"}
-    scope.update(test_scope(names, body))
+    scope = test_scope(names, body)
+    scope.update(__builtins__=builtins, __name__="tests")
     passed, first_error = 0, None
     previous = sys.gettrace()
     sys.settrace(_deadline_tracer(deadline))
