@@ -76,3 +76,18 @@ def test_forged_names_cannot_replace_the_tests_builtins(sandbox):
             "os.write(4, json.dumps({'ok': {'__builtins__': {'$d': [['abs', {'$h': 0}]]}, 'f': {'$h': 0}}}).encode() + b'\\n')\n"
             "for line in os.fdopen(3, 'r'):\n    os.write(4, b'{\"ok\": 0, \"after\": []}\\n')\n")
     assert score(code, "assert abs(f(1) - 3.14159) < 1e-6\n") == 0.0
+
+
+def test_remote_replays_of_a_nondeterministic_solution_score_zero_not_skip():
+    from .fake_sandbox_fusion import FakeSandboxFusion
+    from .test_sandbox_remote import _remote
+
+    # each replay answered f() differently, so the dependent call never matched: 64 service requests,
+    # then a counted skip instead of a 0
+    liar = "import random\ndef f():\n    return random.random()\ndef g(x):\n    return 0\n"
+    honest = "def f():\n    return {'apple', 'pear', 'fig'}\ndef g(x):\n    return len(x)\n"  # set order varies per run
+    with FakeSandboxFusion() as service:
+        sb = build_sandbox(_remote(service.url))
+        got = sb.run_tests(liar, "x = f()\nassert g(x) == 1\n")
+        assert got["passed"] == 0 and "differently" in got["error"] and len(service.requests) <= 3
+        assert sb.run_tests(honest, "x = f()\nassert g(x) == 3\n")["passed"] == 1
