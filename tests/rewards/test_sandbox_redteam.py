@@ -91,3 +91,13 @@ def test_remote_replays_of_a_nondeterministic_solution_score_zero_not_skip():
         got = sb.run_tests(liar, "x = f()\nassert g(x) == 1\n")
         assert got["passed"] == 0 and "differently" in got["error"] and len(service.requests) <= 3
         assert sb.run_tests(honest, "x = f()\nassert g(x) == 3\n")["passed"] == 1
+
+
+def test_no_memory_outside_the_address_space_limit(sandbox):
+    # memfds and System V segments are shared memory that RLIMIT_AS does not count: 600 MiB were held
+    # under a 256 MiB limit, and with 20,000 fds or 4,096 segments far more
+    memfd = "import os\ndef f():\n    fd = os.memfd_create('m')\n    os.write(fd, b'x' * (1 << 20))\n    return 1\n"
+    sysv = ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None)\n    return 1 if libc.shmget(0, 1 << 20, 0o1600) >= 0 else 0\n")
+    mq = "import ctypes\ndef f():\n    return 1 if ctypes.CDLL(None).msgget(0, 0o1600) >= 0 else 0\n"
+    for attack in (memfd, sysv, mq):
+        assert score(attack) == 0.0, attack

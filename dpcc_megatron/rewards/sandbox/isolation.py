@@ -18,7 +18,8 @@ files) and installs a seccomp filter (:func:`seccomp_program`, x86-64) before th
 the solution runs. The filter denies creating processes (``fork``, ``vfork``, ``clone`` without
 ``CLONE_THREAD``; ``clone3`` answers ENOSYS so threads fall back to ``clone``), ``execve``,
 ``ptrace``, raising resource limits, sockets, mounts and namespaces, and a few kernel attack
-surfaces (bpf, io_uring, userfaultfd, perf, keyrings). This is what holds for root, where
+surfaces (bpf, io_uring, userfaultfd, perf, keyrings), and memory that RLIMIT_AS does not count
+(memfd, System V shared memory and message queues, POSIX message queues). This is what holds for root, where
 RLIMIT_NPROC does not: the process cannot create another process, and threads are bounded by the
 address-space limit. Landlock is not used: the mount namespace already reduces the visible file
 system to the read-only runtime and the scratch.
@@ -54,6 +55,9 @@ _DENY_X86_64 = {
     "process_vm_readv": 310, "process_vm_writev": 311, "personality": 135, "init_module": 175,
     "finit_module": 313, "delete_module": 176, "kexec_load": 246, "reboot": 169, "swapon": 167,
     "swapoff": 168, "acct": 163, "open_by_handle_at": 304, "name_to_handle_at": 303,
+    # memory outside RLIMIT_AS and the scratch cap: memfds, System V shared memory and message
+    # queues, POSIX message queues (each run held 600 MiB under a 256 MiB limit through them)
+    "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "mq_open": 240,
 }
 _CLONE, _CLONE3, _PRLIMIT64 = 56, 435, 302
 
