@@ -2,10 +2,12 @@
 trusted-side code chosen by the solution, a look-alike of a module the tests use, a hash-collision
 answer that held the trusted process past the deadline, and kernel memory outside the scratch cap."""
 import json
+import os
 import time
 
 import pytest
 
+from dpcc_megatron.rewards.registry import CheckerTimeout
 from dpcc_megatron.rewards.sandbox import SandboxLimits, build_sandbox
 from dpcc_megatron.rewards.sandbox.driver import MAX_HASH_REPEATS, decode
 from dpcc_megatron.rewards.sandbox.judge import _trusted_module
@@ -101,3 +103,23 @@ def test_no_memory_outside_the_address_space_limit(sandbox):
     mq = "import ctypes\ndef f():\n    return 1 if ctypes.CDLL(None).msgget(0, 0o1600) >= 0 else 0\n"
     for attack in (memfd, sysv, mq):
         assert score(attack) == 0.0, attack
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_a_solution_cannot_outlive_its_timeout(mode):
+    # clearing the parent-death signal and leaving the process group let a sleeping solution live on
+    # as an orphan after its run was killed (namespaces mode; bwrap is checked too)
+    from .test_sandbox_escape import _cmdline
+
+    limits = SandboxLimits(timeout_s=1.0, memory_mb=256, isolation=mode)
+    build_sandbox(limits)
+    code = ("import ctypes, os, time\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\ntry:\n    os.setsid()\nexcept OSError:\n"
+            "    pass\ndef f():\n    time.sleep(1000)\n")
+    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    with pytest.raises(CheckerTimeout):
+        score(code, limits=limits)
+    time.sleep(0.3)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and p not in before and "_serve()" in _cmdline(p)]
+    for p in left:  # do not leave them running if the assertion below fails
+        os.kill(int(p), 9)
+    assert not left

@@ -19,7 +19,8 @@ the solution runs. The filter denies creating processes (``fork``, ``vfork``, ``
 ``CLONE_THREAD``; ``clone3`` answers ENOSYS so threads fall back to ``clone``), ``execve``,
 ``ptrace``, raising resource limits, sockets, mounts and namespaces, and a few kernel attack
 surfaces (bpf, io_uring, userfaultfd, perf, keyrings), and memory that RLIMIT_AS does not count
-(memfd, System V shared memory and message queues, POSIX message queues). This is what holds for root, where
+(memfd, System V shared memory and message queues, POSIX message queues); nor can it leave the
+reach of the timeout's kill (``setsid``, ``setpgid``, ``prctl(PR_SET_PDEATHSIG)``). This is what holds for root, where
 RLIMIT_NPROC does not: the process cannot create another process, and threads are bounded by the
 address-space limit. Landlock is not used: the mount namespace already reduces the visible file
 system to the read-only runtime and the scratch.
@@ -58,8 +59,11 @@ _DENY_X86_64 = {
     # memory outside RLIMIT_AS and the scratch cap: memfds, System V shared memory and message
     # queues, POSIX message queues (each run held 600 MiB under a 256 MiB limit through them)
     "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "mq_open": 240,
+    # leaving the process group the timeout kills (with prctl(PR_SET_PDEATHSIG, 0) below, a sleeping
+    # solution outlived its run as an orphan in the namespaces mode)
+    "setsid": 112, "setpgid": 109,
 }
-_CLONE, _CLONE3, _PRLIMIT64 = 56, 435, 302
+_CLONE, _CLONE3, _PRLIMIT64, _PRCTL, _PR_SET_PDEATHSIG = 56, 435, 302, 157, 1
 
 
 def _stmt(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -79,6 +83,9 @@ def seccomp_program() -> bytes | None:
     prog += [_stmt(JEQ, _CLONE3, 0, 1), errno(_ENOSYS)]
     # clone: threads (CLONE_THREAD set in flags, args[0] low word at offset 16) only.
     prog += [_stmt(JEQ, _CLONE, 0, 4), _stmt(LD_W_ABS, 16), _stmt(JSET, _CLONE_THREAD, 1, 0), errno(_EPERM),
+             _stmt(RET, _RET_ALLOW)]
+    # prctl: anything but clearing the parent-death signal that ends the sandbox with its parent.
+    prog += [_stmt(JEQ, _PRCTL, 0, 4), _stmt(LD_W_ABS, 16), _stmt(JEQ, _PR_SET_PDEATHSIG, 0, 1), errno(_EPERM),
              _stmt(RET, _RET_ALLOW)]
     # prlimit64: reading (new_limit, args[2] at offset 32/36, is NULL) only.
     prog += [_stmt(JEQ, _PRLIMIT64, 0, 5), _stmt(LD_W_ABS, 32), _stmt(JEQ, 0, 0, 2), _stmt(LD_W_ABS, 36),
