@@ -123,3 +123,12 @@ def test_a_solution_cannot_outlive_its_timeout(mode):
     for p in left:  # do not leave them running if the assertion below fails
         os.kill(int(p), 9)
     assert not left
+
+
+def test_the_namespaces_scratch_caps_its_files():
+    # inodes are kernel memory outside the size cap: 170,000 empty files in 2 s
+    limits = SandboxLimits(timeout_s=10.0, memory_mb=256, isolation="namespaces")
+    build_sandbox(limits)
+    code = ("import os\ndef f():\n    n = 0\n    try:\n        while n < 20000:\n"
+            "            os.close(os.open('f%d' % n, os.O_CREAT | os.O_WRONLY)); n += 1\n    except OSError:\n        pass\n    return n\n")
+    assert score(code, "assert f() < 20000\n", limits=limits) == 1.0
