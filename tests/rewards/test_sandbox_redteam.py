@@ -132,3 +132,22 @@ def test_the_namespaces_scratch_caps_its_files():
     code = ("import os\ndef f():\n    n = 0\n    try:\n        while n < 20000:\n"
             "            os.close(os.open('f%d' % n, os.O_CREAT | os.O_WRONLY)); n += 1\n    except OSError:\n        pass\n    return n\n")
     assert score(code, "assert f() < 20000\n", limits=limits) == 1.0
+
+
+def test_threads_are_bounded_below_the_hosts_pid_max():
+    # raw clone() threads on 16 KiB stacks: RLIMIT_AS alone allowed tens of thousands, the host's whole
+    # pid_max. The namespaces mode caps its PID namespace (Linux >= 6.14); bubblewrap cannot (docs).
+    limits = SandboxLimits(timeout_s=10.0, memory_mb=512, isolation="namespaces")
+    build_sandbox(limits)
+    if score("def f():\n    return int(open('/proc/sys/kernel/pid_max').read())\n", "assert f() == 512\n",
+             limits=limits) == 0.0:
+        pytest.skip("pid_max is not per PID namespace on this kernel (Linux < 6.14)")
+    threads = ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None)\n    flags = 0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000\n"
+               "    stacks, n = [], 0\n    while n < 1000:\n        st = ctypes.create_string_buffer(16384); stacks.append(st)\n"
+               "        top = ctypes.c_void_p(ctypes.addressof(st) + 16384 - 64)\n"
+               "        if libc.clone(ctypes.cast(libc.pause, ctypes.c_void_p), top, flags, None) < 0:\n            break\n"
+               "        n += 1\n    return n\n")
+    assert score(threads, "assert f() < 512\n", limits=limits) == 1.0
+    # and the solution cannot raise it again
+    reraise = "def f():\n    open('/proc/sys/kernel/pid_max', 'w').write('32768')\n    return 1\n"
+    assert score(reraise, limits=limits) == 0.0

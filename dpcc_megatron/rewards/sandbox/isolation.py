@@ -21,8 +21,9 @@ the solution runs. The filter denies creating processes (``fork``, ``vfork``, ``
 surfaces (bpf, io_uring, userfaultfd, perf, keyrings), and memory that RLIMIT_AS does not count
 (memfd, System V shared memory and message queues, POSIX message queues); nor can it leave the
 reach of the timeout's kill (``setsid``, ``setpgid``, ``prctl(PR_SET_PDEATHSIG)``). This is what holds for root, where
-RLIMIT_NPROC does not: the process cannot create another process, and threads are bounded by the
-address-space limit. Landlock is not used: the mount namespace already reduces the visible file
+RLIMIT_NPROC does not: the process cannot create another process. Threads are bounded by the
+address-space limit and, in the ``namespaces`` mode on Linux >= 6.14, by the PID namespace's
+pid_max (:data:`SANDBOX_PID_MAX`); under bwrap only by the former. Landlock is not used: the mount namespace already reduces the visible file
 system to the read-only runtime and the scratch.
 """
 from __future__ import annotations
@@ -173,6 +174,13 @@ def _nsinit(binds, links, scratch_bytes):
             mount(None, root + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)
+    try:  # Linux >= 6.14: pid_max is per PID namespace; threads otherwise only bounded by RLIMIT_AS
+        with open(root + "/proc/sys/kernel/pid_max", "w") as f:
+            f.write(str(SANDBOX_PID_MAX))
+    except OSError:
+        pass
+    mount(root + "/proc/sys", root + "/proc/sys", None, MS_BIND | MS_REC)  # as bubblewrap does: sysctls read-only
+    mount(None, root + "/proc/sys", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.makedirs(root + "/dev")
     open(root + "/dev/null", "w").close()
     mount("/dev/null", root + "/dev/null", None, MS_BIND)
@@ -190,9 +198,15 @@ SCRATCH_INODES = 16384
 memory outside the size cap, and a run created 170,000 empty files in 2 s."""
 
 
+SANDBOX_PID_MAX = 512
+"""pid_max of the sandbox's PID namespace (``namespaces`` mode, Linux >= 6.14), which bounds its
+threads: with 16 KiB stacks, RLIMIT_AS alone allowed tens of thousands, as many as the host's
+pid_max (32768 here), so one run could leave the host unable to start a process."""
+
+
 def namespaces_argv(python: str, scratch_mb: int, driver: str) -> list[str]:
-    call = "SCRATCH_INODES = %d\n_nsinit(%r, %r, %d)\n" % (SCRATCH_INODES, runtime_paths(python), _root_links(),
-                                                            scratch_mb << 20)
+    call = "SCRATCH_INODES, SANDBOX_PID_MAX = %d, %d\n_nsinit(%r, %r, %d)\n" % (
+        SCRATCH_INODES, SANDBOX_PID_MAX, runtime_paths(python), _root_links(), scratch_mb << 20)
     return ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child", "--net",
             "--ipc", "--uts", python, "-I", "-c", NSINIT + call + driver]
 
