@@ -151,3 +151,9 @@ def test_threads_are_bounded_below_the_hosts_pid_max():
     # and the solution cannot raise it again
     reraise = "def f():\n    open('/proc/sys/kernel/pid_max', 'w').write('32768')\n    return 1\n"
     assert score(reraise, limits=limits) == 0.0
+
+
+def test_an_alias_cannot_name_another_trusted_module(sandbox):
+    # a module crosses by the name the solution gives it: `np` naming `math` is still numpy here
+    code = "import sys\nnp = type(sys)('math')\ndef f():\n    return 0\n"
+    assert score(code, "assert np.__name__ == 'numpy'\n") == 1.0

@@ -222,7 +222,7 @@ def test_scope(names: dict, body: list[ast.stmt]) -> dict:
     for name, value in names.items():
         if hasattr(builtins, name) or name.startswith("__"):  # `__builtins__` would replace the tests' built-ins
             continue
-        if name in _ALIASES and not isinstance(value, type(sys)):  # `class np: allclose = ...` decides no assert
+        if name in _ALIASES and getattr(value, "__name__", None) != _ALIASES[name]:  # `class np: ...`, or another module
             value = _trusted_module(_ALIASES[name])
             if value is None:
                 continue
