@@ -49,7 +49,7 @@ def test_a_hash_collision_answer_is_refused_not_waited_for(sandbox):
     code = ("import os, time\ndef f():\n    os.write(4, b'{\"ok\": {\"$s\": [%s]}}\\n')\n    time.sleep(30)\n" % body)
     start = time.monotonic()
     assert score(code, "assert f() == {1}\n", limits=SandboxLimits(timeout_s=3.0, memory_mb=512)) == 0.0
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 12  # was over 60 s; loose for a loaded machine
     with pytest.raises(ValueError, match="same hash"):
         decode(json.loads('{"$d": [%s]}' % ",".join("[%d, 0]" % (_M * k) for k in range(1, 200))), None)
     # honest sets and dicts, a few repeated hashes included (hash(-1) == hash(-2)), still decode
