@@ -33,6 +33,10 @@ import os
 _TAGS = ("$t", "$s", "$f", "$d", "$b", "$c", "$h")
 STARTED = {"started": True}
 _BASES = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+MAX_HASH_REPEATS = 64
+"""Most keys of one decoded set/dict that may share a hash with another key. Unequal ints can be
+chosen to share a hash (``k * (2**61 - 1)``), which makes building the set quadratic: a 1 MiB
+answer would hold the trusted process for a minute. Honest data almost never repeats a hash."""
 
 
 def encode(x, other):
@@ -79,6 +83,10 @@ def decode(x, handle):
     if tag == "$c" and len(body) == 2 and all(type(v) in (int, float) for v in body):
         return complex(body[0], body[1])
     items = [decode(v, handle) for v in body]
+    if tag in ("$s", "$f", "$d") and len(items) > MAX_HASH_REPEATS:
+        keys = [p[0] for p in items if type(p) is list and p] if tag == "$d" else items
+        if len(keys) - len({hash(k) for k in keys}) > MAX_HASH_REPEATS:
+            raise ValueError("too many keys with the same hash")
     if tag == "$t":
         return tuple(items)
     if tag == "$s":

@@ -18,9 +18,12 @@ files) and installs a seccomp filter (:func:`seccomp_program`, x86-64) before th
 the solution runs. The filter denies creating processes (``fork``, ``vfork``, ``clone`` without
 ``CLONE_THREAD``; ``clone3`` answers ENOSYS so threads fall back to ``clone``), ``execve``,
 ``ptrace``, raising resource limits, sockets, mounts and namespaces, and a few kernel attack
-surfaces (bpf, io_uring, userfaultfd, perf, keyrings). This is what holds for root, where
-RLIMIT_NPROC does not: the process cannot create another process, and threads are bounded by the
-address-space limit. Landlock is not used: the mount namespace already reduces the visible file
+surfaces (bpf, io_uring, userfaultfd, perf, keyrings), and memory that RLIMIT_AS does not count
+(memfd, System V shared memory and message queues, POSIX message queues); nor can it leave the
+reach of the timeout's kill (``setsid``, ``setpgid``, ``prctl(PR_SET_PDEATHSIG)``). This is what holds for root, where
+RLIMIT_NPROC does not: the process cannot create another process. Threads are bounded by the
+address-space limit and, in the ``namespaces`` mode on Linux >= 6.14, by the PID namespace's
+pid_max (:data:`SANDBOX_PID_MAX`); under bwrap only by the former. Landlock is not used: the mount namespace already reduces the visible file
 system to the read-only runtime and the scratch.
 """
 from __future__ import annotations
@@ -54,8 +57,14 @@ _DENY_X86_64 = {
     "process_vm_readv": 310, "process_vm_writev": 311, "personality": 135, "init_module": 175,
     "finit_module": 313, "delete_module": 176, "kexec_load": 246, "reboot": 169, "swapon": 167,
     "swapoff": 168, "acct": 163, "open_by_handle_at": 304, "name_to_handle_at": 303,
+    # memory outside RLIMIT_AS and the scratch cap: memfds, System V shared memory and message
+    # queues, POSIX message queues (each run held 600 MiB under a 256 MiB limit through them)
+    "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "mq_open": 240,
+    # leaving the process group the timeout kills (with prctl(PR_SET_PDEATHSIG, 0) below, a sleeping
+    # solution outlived its run as an orphan in the namespaces mode)
+    "setsid": 112, "setpgid": 109,
 }
-_CLONE, _CLONE3, _PRLIMIT64 = 56, 435, 302
+_CLONE, _CLONE3, _PRLIMIT64, _PRCTL, _PR_SET_PDEATHSIG = 56, 435, 302, 157, 1
 
 
 def _stmt(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -75,6 +84,9 @@ def seccomp_program() -> bytes | None:
     prog += [_stmt(JEQ, _CLONE3, 0, 1), errno(_ENOSYS)]
     # clone: threads (CLONE_THREAD set in flags, args[0] low word at offset 16) only.
     prog += [_stmt(JEQ, _CLONE, 0, 4), _stmt(LD_W_ABS, 16), _stmt(JSET, _CLONE_THREAD, 1, 0), errno(_EPERM),
+             _stmt(RET, _RET_ALLOW)]
+    # prctl: anything but clearing the parent-death signal that ends the sandbox with its parent.
+    prog += [_stmt(JEQ, _PRCTL, 0, 4), _stmt(LD_W_ABS, 16), _stmt(JEQ, _PR_SET_PDEATHSIG, 0, 1), errno(_EPERM),
              _stmt(RET, _RET_ALLOW)]
     # prlimit64: reading (new_limit, args[2] at offset 32/36, is NULL) only.
     prog += [_stmt(JEQ, _PRLIMIT64, 0, 5), _stmt(LD_W_ABS, 32), _stmt(JEQ, 0, 0, 2), _stmt(LD_W_ABS, 36),
@@ -127,7 +139,9 @@ def bwrap_argv(python: str, scratch_mb: int) -> list[str]:
         argv += ["--ro-bind", path, path]
     for name, target in _root_links():
         argv += ["--symlink", target, name] if target else ["--ro-bind", name, name]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/scratch",
+    # /dev is a tmpfs of bubblewrap's without a size cap (its /dev/shm took 300 MiB past a 64 MiB
+    # scratch): read-only, so the size-capped scratch is the only writable place.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(scratch_mb << 20), "--tmpfs", "/scratch",
              "--chdir", "/scratch", "--remount-ro", "/"]
     return argv + [python]
 
@@ -160,19 +174,39 @@ def _nsinit(binds, links, scratch_bytes):
             mount(None, root + name, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
     os.makedirs(root + "/proc")
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV)
+    try:  # Linux >= 6.14: pid_max is per PID namespace; threads otherwise only bounded by RLIMIT_AS
+        with open(root + "/proc/sys/kernel/pid_max", "w") as f:
+            f.write(str(SANDBOX_PID_MAX))
+    except OSError:
+        pass
+    mount(root + "/proc/sys", root + "/proc/sys", None, MS_BIND | MS_REC)  # as bubblewrap does: sysctls read-only
+    mount(None, root + "/proc/sys", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.makedirs(root + "/dev")
     open(root + "/dev/null", "w").close()
     mount("/dev/null", root + "/dev/null", None, MS_BIND)
     os.makedirs(root + "/scratch")
-    mount("tmpfs", root + "/scratch", "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=777" % scratch_bytes)
+    mount("tmpfs", root + "/scratch", "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,nr_inodes=%d,mode=777"
+          % (scratch_bytes, SCRATCH_INODES))
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.chroot(root)
     os.chdir("/scratch")
 '''
 
 
+SCRATCH_INODES = 16384
+"""Files in the scratch (``namespaces`` mode; bubblewrap has no option for it): inodes are kernel
+memory outside the size cap, and a run created 170,000 empty files in 2 s."""
+
+
+SANDBOX_PID_MAX = 512
+"""pid_max of the sandbox's PID namespace (``namespaces`` mode, Linux >= 6.14), which bounds its
+threads: with 16 KiB stacks, RLIMIT_AS alone allowed tens of thousands, as many as the host's
+pid_max (32768 here), so one run could leave the host unable to start a process."""
+
+
 def namespaces_argv(python: str, scratch_mb: int, driver: str) -> list[str]:
-    call = "_nsinit(%r, %r, %d)\n" % (runtime_paths(python), _root_links(), scratch_mb << 20)
+    call = "SCRATCH_INODES, SANDBOX_PID_MAX = %d, %d\n_nsinit(%r, %r, %d)\n" % (
+        SCRATCH_INODES, SANDBOX_PID_MAX, runtime_paths(python), _root_links(), scratch_mb << 20)
     return ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child", "--net",
             "--ipc", "--uts", python, "-I", "-c", NSINIT + call + driver]
 

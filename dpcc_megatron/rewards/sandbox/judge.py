@@ -186,33 +186,47 @@ class Session:
         return out
 
 
+# Conventional aliases of third-party modules that tests written for one shared scope use without
+# importing them (``np.allclose(...)``): like a standard-library module's name, never the solution's object.
+_ALIASES = {"np": "numpy", "numpy": "numpy", "pd": "pandas", "pandas": "pandas", "scipy": "scipy"}
+
+
 def _trusted_module(name):
     """The tests' own copy of a module the solution imported (tests written for one shared scope use
-    e.g. ``math`` without importing it): already loaded here, or from the standard library; else None."""
-    if type(name) is not str or name.startswith("_"):
+    e.g. ``math`` without importing it): already loaded here, or a top-level standard-library module
+    (or one of :data:`_ALIASES`) imported now; else None. The name comes from the solution (a module
+    object's ``__name__`` is writable), so nothing else is imported: ``venv.__main__`` or
+    ``test.autotest`` would run code in this process."""
+    if type(name) is not str or any(part.startswith("_") for part in name.split(".")):
         return None
     module = sys.modules.get(name)
-    if module is None and name.split(".")[0] in sys.stdlib_module_names and name not in ("antigravity", "this"):
+    if module is None and "." not in name and (name in sys.stdlib_module_names or name in _ALIASES.values()) \
+            and name not in ("antigravity", "this"):
         import importlib
 
         try:
             module = importlib.import_module(name)
-        except Exception:
+        except (Exception, SystemExit):
             return None
     return module
 
 
 def test_scope(names: dict, body: list[ast.stmt]) -> dict:
     """What of the solution's names the tests see. Never a built-in's name (a solution's ``all`` or
-    ``isinstance`` would decide the asserts that use them), and, for a standard-library module's name
-    the tests do not call directly (``math.isclose(...)``, not ``copy(...)``), the trusted module."""
+    ``isinstance`` would decide the asserts that use them); for a standard-library module's name
+    the tests do not call directly (``math.isclose(...)``, not ``copy(...)``), and for a conventional
+    alias such as ``np`` (:data:`_ALIASES`), the trusted module."""
     called = {n.func.id for stmt in body for n in ast.walk(stmt)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     out = {}
     for name, value in names.items():
-        if hasattr(builtins, name):
+        if hasattr(builtins, name) or name.startswith("__"):  # `__builtins__` would replace the tests' built-ins
             continue
-        if name in sys.stdlib_module_names and name not in called and not isinstance(value, type(sys)):
+        if name in _ALIASES and getattr(value, "__name__", None) != _ALIASES[name]:  # `class np: ...`, or another module
+            value = _trusted_module(_ALIASES[name])
+            if value is None:
+                continue
+        elif name in sys.stdlib_module_names and name not in called and not isinstance(value, type(sys)):
             value = _trusted_module(name)
             if value is None:
                 continue
@@ -270,8 +284,8 @@ def run_judge(session: Session, source: str, setup: dict, body: list[ast.stmt], 
         return {**verdict, "error": e.reason, "timed_out": e.timed_out}
     except Exception as e:
         return {**verdict, "error": "solution: " + _describe(e)}
-    scope = {"__builtins__": builtins, "__name__": "tests"}
-    scope.update(test_scope(names, body))
+    scope = test_scope(names, body)
+    scope.update(__builtins__=builtins, __name__="tests")
     passed, first_error = 0, None
     previous = sys.gettrace()
     sys.settrace(_deadline_tracer(deadline))

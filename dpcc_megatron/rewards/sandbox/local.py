@@ -14,6 +14,10 @@ from .driver import STARTED
 from .judge import MAX_MESSAGE_BYTES, ChannelDead, SandboxUnavailable
 
 _EXIT_GRACE_S = 1.0
+MAX_OPEN_FILES = 256
+"""RLIMIT_NOFILE in the sandbox. Pipe buffers are kernel memory outside RLIMIT_AS (64 KiB each, and
+charged to the host user's pipe quota, which the trainer shares): with the host's limit a run held
+over 100 MiB in 10,000 pipes."""
 DRIVER_SOURCE = open(os.path.join(os.path.dirname(__file__), "driver.py"), encoding="utf-8").read()
 
 
@@ -21,7 +25,8 @@ def rlimits(limits) -> list[list]:
     """[[name, soft, hard], ...] the driver sets before the solution runs (CPU: SIGXCPU, then a second later SIGKILL)."""
     cpu = limits.cpu_limit_s
     return [["RLIMIT_AS", limits.memory_mb << 20, limits.memory_mb << 20], ["RLIMIT_CPU", cpu, cpu + 1],
-            ["RLIMIT_FSIZE", limits.file_size_mb << 20, limits.file_size_mb << 20], ["RLIMIT_CORE", 0, 0]]
+            ["RLIMIT_FSIZE", limits.file_size_mb << 20, limits.file_size_mb << 20], ["RLIMIT_CORE", 0, 0],
+            ["RLIMIT_NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES]]
 
 
 class LocalProcess:

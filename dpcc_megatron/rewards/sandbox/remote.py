@@ -70,6 +70,30 @@ class _Replay:
         raise _NeedMore()
 
 
+def _canonical(x):
+    """An answer with set and dict contents in a fixed order (string hashes differ between runs)."""
+    if type(x) is list:
+        return [_canonical(v) for v in x]
+    if type(x) is dict:
+        if len(x) == 1 and next(iter(x)) in ("$s", "$f", "$d") and type(next(iter(x.values()))) is list:
+            (tag, body), = x.items()
+            return {tag: sorted(json.dumps(_canonical(v), sort_keys=True) for v in body)}
+        return {k: _canonical(v) for k, v in x.items()}
+    return x
+
+
+def _changed(before: tuple[list[str], list[dict]], sent: list[str], answers: list[dict]) -> bool:
+    """Whether this round answered a request of the previous round's (same position, same requests
+    before it) differently. Replays assume deterministic answers; a solution that varies them (random,
+    time) would otherwise make every round diverge until MAX_ROUNDS and turn its run into a skip."""
+    old_sent, old_answers = before
+    n = 0
+    while n < min(len(old_sent), len(sent)) and old_sent[n] == sent[n]:
+        n += 1
+    n = min(n, len(old_answers), len(answers))
+    return any(_canonical(a) != _canonical(b) for a, b in zip(old_answers[:n], answers[:n]))
+
+
 class RemoteSandbox:
     """Runs each solution through a SandboxFusion service; the tests run here."""
 
@@ -98,8 +122,13 @@ class RemoteSandbox:
         if body is None:
             return {"passed": 0, "total": total, "error": error, "timed_out": False}
         sent = [json.dumps({**self.setup, "source": code}) + "\n"]
+        before: tuple[list[str], list[dict]] = ([], [])
         for _ in range(MAX_ROUNDS):
             answers, died = self._execute(sent)
+            if _changed(before, sent, answers):  # it would never converge: a wrong answer, not a skip
+                return {"passed": 0, "total": total, "timed_out": False,
+                        "error": "the solution answered the same requests differently when replayed"}
+            before = (sent, answers)
             replay = _Replay(sent, answers, died)
             # every round runs all statements (partial), so the later statements queue their requests too
             verdict = run_judge(Session(replay), code, self.setup, body, total, True,
