@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dpcc_megatron.algo import DPCCController
-from dpcc_megatron.rollout.engine import Generation
+from dpcc_megatron.rollout.engine import Generation, RefitByVersion
 from dpcc_megatron.train import async_rollout
 from dpcc_megatron.train.async_rollout import RolloutPipeline, overlap_possible
 
@@ -24,7 +24,7 @@ class _Tok:
         return "".join(str(t % 10) for t in ids)
 
 
-class _Engine:
+class _Engine(RefitByVersion):
     """``megatron``: generates with the model's current parameter (reads the training weights);
     ``vllm``: with the copy its last refit took, optionally blocking until released."""
 
@@ -68,6 +68,7 @@ class _Ctx:
     def set_version(self, v):
         with torch.no_grad():
             self.chunks[0].weight.fill_(float(v))
+        self.weight_version = v  # the trainer's weight version moves with the weights
 
 
 def _loop(ctx, pipe, iterations, start=0):
