@@ -8,6 +8,12 @@ come back through files (no pipe deadlocks on large results). A rank that raises
 makes the whole call raise :class:`RankFailure` with that rank's traceback; a rank
 that is still running at the deadline is killed, so a hung collective can never
 hang CI.
+
+Ranks are forked from a ``forkserver`` that imports torch, Megatron-Core and the trainer once
+per calling process; a spawned interpreter re-imports them for every rank (seconds per rank,
+up to a minute on a loaded machine). Each rank is still a fresh process with the caller's
+current environment, working directory, ``sys.path`` and stdout/stderr: nothing one call's
+ranks change reaches the next call's.
 """
 from __future__ import annotations
 
@@ -26,13 +32,44 @@ class RankFailure(RuntimeError):
     """One or more ranks failed or timed out; the message holds their tracebacks."""
 
 
+# Imported once by the fork server (best effort: a module that fails to import is skipped there
+# and imported by the rank itself). Nothing here reads the environment at import time.
+_PRELOAD = ("torch", "torch.distributed", "megatron.core", "dpcc_megatron.train.trainer")
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))  # read when the server starts (the first call)
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout):
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the launch (pytest's capture of the current test, a log
+    file): forked ranks would otherwise write to the fork server's, which it inherited when it started."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    for wrapped, target in ((out, 1), (err, 2)):
+        fd = wrapped.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout, _stdio=None):
+    # _stdio: a _CallerStdio, already attached while the arguments were unpickled
+    # The fork server's environment is the one it started with: take the caller's, as spawn would.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -49,6 +86,9 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout):
         enable_cpu_megatron()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        # Every rank has finished connecting before any can return and close its connections: a
+        # rank whose function returns at once would otherwise make a slower peer's connect fail.
+        dist.barrier()
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -73,11 +113,13 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout):
 def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
                   timeout: float = 180.0, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    rank_env = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="dpcc-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, daemon=False, name=f"rank{r}",
-                             args=(fn, r, world_size, port, tuple(args), out_dir, dict(env or {}), timeout))
+                             args=(fn, r, world_size, port, tuple(args), out_dir, rank_env, timeout,
+                                   _CallerStdio()))
                  for r in range(world_size)]
         for p in procs:
             p.start()
