@@ -33,13 +33,31 @@ class RankFailure(RuntimeError):
 
 
 # Imported once by the fork server (best effort: a module that fails to import is skipped there
-# and imported by the rank itself). Nothing here reads the environment at import time.
-_PRELOAD = ("torch", "torch.distributed", "megatron.core", "dpcc_megatron.train.trainer")
+# and imported by the rank itself): what a rank of the trainer imports, and pytest, which every test
+# module does. They fix at import nothing a test sets in the environment (transformers reads HF_*: left out).
+_PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt.gpt_layer_specs",
+            "megatron.core.dist_checkpointing.strategies.torch", "dpcc_megatron.train.trainer",
+            "dpcc_megatron.megatron.checkpoint", "dpcc_megatron.rewards", "pytest")
+
+
+_server_started = False
+
+
+def _noop() -> None:
+    pass
 
 
 def _context():
+    global _server_started
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))  # read when the server starts (the first call)
+    if not _server_started:
+        # Start the server and let it finish its imports before a port is picked: a port that stays
+        # unused for the whole start-up can be taken by another process meanwhile.
+        p = ctx.Process(target=_noop, name="forkserver-warmup")
+        p.start()
+        p.join()
+        _server_started = True
     return ctx
 
 
