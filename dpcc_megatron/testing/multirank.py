@@ -13,13 +13,15 @@ Ranks are forked from a ``forkserver`` that imports torch, Megatron-Core and the
 per calling process; a spawned interpreter re-imports them for every rank (seconds per rank,
 up to a minute on a loaded machine). Each rank is still a fresh process with the caller's
 current environment, working directory, ``sys.path`` and stdout/stderr: nothing one call's
-ranks change reaches the next call's.
+ranks change reaches the next call's. For the same reason each rank forks the helper process that
+``dist_checkpointing`` would spawn on its first save (see :func:`_fork_checkpoint_results_queue`).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -86,6 +88,8 @@ def _attach_stdio(out, err) -> None:
 
 def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout, _stdio=None):
     # _stdio: a _CallerStdio, already attached while the arguments were unpickled
+    # Its own process group: stopping a rank also stops what it started (see _kill).
+    os.setpgrp()
     # The fork server's environment is the one it started with: take the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(env)
@@ -102,6 +106,7 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout, _stdio=N
 
         torch.set_num_threads(1)  # N ranks share few cores; oversubscription slows gloo badly
         enable_cpu_megatron()
+        _fork_checkpoint_results_queue()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         # Every rank has finished connecting before any can return and close its connections: a
@@ -126,6 +131,27 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, env, timeout, _stdio=N
     os.replace(tmp, out)
     if payload[0] == "error":
         out.with_suffix(".err").touch()  # cheap marker the parent polls for
+
+
+def _fork_checkpoint_results_queue() -> None:
+    """Megatron-Core's ``dist_checkpointing`` passes write results through a ``multiprocessing``
+    Manager that it spawns on a process's first save: a fresh interpreter that imports torch to
+    unpickle them (seconds per rank). A rank here forks it instead, from a process that already has
+    torch, before any thread of gloo exists; SIGUSR1/SIGTERM/SIGINT are held while it starts, as
+    ``megatron/checkpoint.save_checkpoint`` holds them around the spawn. Everything else about the
+    save is unchanged (a second save in any process takes this same cached-queue path)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if not hasattr(filesystem_async, "_results_queue") or filesystem_async._results_queue is not None:
+        return
+    held = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
@@ -157,7 +183,7 @@ def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
         finally:
             for p in procs:
                 if p.is_alive():
-                    p.kill()
+                    _kill(p)
             for p in procs:
                 p.join(5)
 
@@ -179,6 +205,16 @@ def run_multirank(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
         if errors:
             raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(errors))
         return results
+
+
+def _kill(p) -> None:
+    """SIGKILL the rank and its process group: helpers it started (the checkpoint helper, which holds
+    SIGTERM blocked) would otherwise outlive it, and keep the fork server alive too."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not yet in its own group, or already gone
+        pass
+    p.kill()
 
 
 def _is_error(path: Path) -> bool:
