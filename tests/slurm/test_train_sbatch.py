@@ -149,7 +149,7 @@ def test_signal_lead_time_is_a_parameter(slurm, job_env, tmp_path):
     env = dict(job_env, DPCC_SIGNAL_LEAD="165", DPCC_MONITOR="0")  # 3 min limit - 165 s: SIGUSR1 after ~15 s
     args = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--job-name=dpcc-lead", f"--chdir={REPO}",
             "--time=3", "--signal=B:USR1@10", f"--output={tmp_path}/batch-%j.out", str(SBATCH), CONFIG,
-            f"train.output_dir={tmp_path / 'out'}", "train.iterations=100000"]
+            f"train.output_dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ck'}", "train.iterations=100000"]
     job = slurm.sbatch(args, env=env)
     logdir = tmp_path / "logs" / f"dpcc-lead-{job}"
     batch_log = logdir / "batch.log"
