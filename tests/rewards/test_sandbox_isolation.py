@@ -28,6 +28,12 @@ def no_tools(monkeypatch, tmp_path):
 def test_auto_finds_isolation_here():
     mode = isolation.resolve("auto")
     assert mode in ("bwrap", "namespaces")
+    assert mode == isolation.auto_order()[0]  # both work here: auto takes its first choice
+
+
+def test_auto_prefers_namespaces_where_the_pid_namespace_bounds_threads():
+    assert isolation.pid_namespace_bounds_threads("6.14.0") and isolation.pid_namespace_bounds_threads("6.18.44-x")
+    assert not isolation.pid_namespace_bounds_threads("6.13.9") and not isolation.pid_namespace_bounds_threads("5.15.0")
     assert isolation.probe("namespaces") == ""  # util-linux unshare and user namespaces work on this host
 
 

@@ -23,7 +23,8 @@ surfaces (bpf, io_uring, userfaultfd, perf, keyrings), and memory that RLIMIT_AS
 reach of the timeout's kill (``setsid``, ``setpgid``, ``prctl(PR_SET_PDEATHSIG)``). This is what holds for root, where
 RLIMIT_NPROC does not: the process cannot create another process. Threads are bounded by the
 address-space limit and, in the ``namespaces`` mode on Linux >= 6.14, by the PID namespace's
-pid_max (:data:`SANDBOX_PID_MAX`); under bwrap only by the former. Landlock is not used: the mount namespace already reduces the visible file
+pid_max (:data:`SANDBOX_PID_MAX`); under bwrap only by the former, so ``auto`` prefers ``namespaces``
+on such kernels (:func:`auto_order`). Landlock is not used: the mount namespace already reduces the visible file
 system to the read-only runtime and the scratch.
 """
 from __future__ import annotations
@@ -248,12 +249,27 @@ def probe(mode: str, python: str = sys.executable) -> str:
     return ""
 
 
+def pid_namespace_bounds_threads(release: str = "") -> bool:
+    """Whether this kernel gives each PID namespace its own pid_max (Linux >= 6.14), which is how the
+    ``namespaces`` mode bounds a run's threads; bubblewrap's sandbox cannot set it (no capability)."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) >= (6, 14)
+
+
+def auto_order() -> tuple[str, ...]:
+    """``auto``'s order: where the PID namespace bounds threads, ``namespaces`` first (under bwrap a
+    run's threads are bounded only by RLIMIT_AS, enough to use up the host's process ids), else bwrap."""
+    return ("namespaces", "bwrap") if pid_namespace_bounds_threads() else ("bwrap", "namespaces")
+
+
 def resolve(mode: str, python: str = sys.executable) -> str:
-    """The mode to use for ``reward.sandbox.isolation: mode``: ``auto`` picks bwrap, then namespaces.
+    """The mode to use for ``reward.sandbox.isolation: mode``: ``auto`` tries :func:`auto_order`.
     Raises ``ConfigError`` naming the key when the mode (or, for auto, every mode) is unavailable."""
     if mode not in MODES:
         raise ConfigError(f"reward.sandbox.isolation must be one of {MODES}, got {mode!r}")
-    tried: Sequence[str] = ("bwrap", "namespaces") if mode == "auto" else (mode,)
+    tried: Sequence[str] = auto_order() if mode == "auto" else (mode,)
     why = {}
     for m in tried:
         why[m] = probe(m, python)
