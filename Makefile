@@ -64,7 +64,7 @@ $(VENV_LATEST)/.installed: pyproject.toml
 	touch $@
 
 test-latest: $(VENV_LATEST)/.installed
-	$(BIN_LATEST)/python -c "import sys, torch, megatron.core as m; print('test-latest: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__)"
+	$(BIN_LATEST)/python -c "import sys, importlib.metadata as md; print('test-latest: Python', sys.version.split()[0], '| torch', md.version('torch'), '| megatron-core', md.version('megatron-core'))"
 	$(BIN_LATEST)/python -m pytest $(TESTS_LATEST) $(PYTEST_ARGS)
 
 clean:
