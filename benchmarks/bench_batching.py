@@ -1,7 +1,7 @@
 """One RL update step with pad-to-max micro-batches against token-budget micro-batches
 (`train.max_tokens_per_micro_batch`), interleaved in one run on the same weights, CPU, TP=1.
 
-    python benchmarks/bench_batching.py [--steps 8]
+    python benchmarks/bench_batching.py [--steps 8] [--tiny]
 
 The batch: 64 sequences, a 32-token prompt each, and response lengths drawn from a
 log-normal distribution (median 48 tokens, sigma 0.9), capped at 480: a long tail like that
@@ -11,7 +11,9 @@ rows by length and packs them under a budget of 8 x the longest sequence (the sa
 micro-batch size), each micro-batch padded only to its own longest row.
 
 Padding waste = padded positions / all positions fed to the model. Target:
-budget_over_padded_time <= 0.67 (>= 1.5x faster). Ends with one JSON line.
+budget_over_padded_time <= 0.67 (>= 1.5x faster). Ends with one JSON line. ``--tiny``: 16
+sequences, responses capped at 48 tokens, one timed step (checks the script runs; the figures are
+not a measurement).
 """
 from __future__ import annotations
 
@@ -23,20 +25,21 @@ import time
 import torch
 
 B, PROMPT, CAP, V = 64, 32, 480, 256
+TINY_B, TINY_CAP = 16, 48
 
 
-def _batch():
+def _batch(rows, cap):
     from dpcc_megatron.megatron.policy_step import RLBatch
 
     g = torch.Generator().manual_seed(0)
-    lengths = torch.exp(torch.log(torch.tensor(48.0)) + 0.9 * torch.randn(B, generator=g)).round().clamp(4, CAP).long()
+    lengths = torch.exp(torch.log(torch.tensor(48.0)) + 0.9 * torch.randn(rows, generator=g)).round().clamp(4, cap).long()
     L = PROMPT + int(lengths.max())
-    tokens = torch.randint(0, V, (B, L), generator=g)
-    mask = torch.zeros(B, L - 1, dtype=torch.bool)
+    tokens = torch.randint(0, V, (rows, L), generator=g)
+    mask = torch.zeros(rows, L - 1, dtype=torch.bool)
     for i, n in enumerate(lengths.tolist()):
         mask[i, PROMPT - 1:PROMPT - 1 + n] = True
-    batch = RLBatch(tokens=tokens, mask=mask, old_logprobs=-5.5 + 0.1 * torch.randn(B, L - 1, generator=g),
-                    advantages=torch.randn(B, generator=g))
+    batch = RLBatch(tokens=tokens, mask=mask, old_logprobs=-5.5 + 0.1 * torch.randn(rows, L - 1, generator=g),
+                    advantages=torch.randn(rows, generator=g))
     return batch, lengths
 
 
@@ -48,7 +51,7 @@ def _waste(parts) -> float:
     return 1.0 - used / fed
 
 
-def _rank(rank, world, steps):
+def _rank(rank, world, steps, rows=B, cap=CAP):
     from megatron.core import parallel_state as ps
 
     from dpcc_megatron.algo import DPCCController
@@ -59,13 +62,13 @@ def _rank(rank, world, steps):
     from dpcc_megatron.testing.tiny import parallel_config, tiny_model_config
     from dpcc_megatron.train.update import policy_update
 
-    batch, lengths = _batch()
+    batch, lengths = _batch(rows, cap)
     L = batch.tokens.shape[1]
     budget = 8 * L
     cfg = JobConfig(model=tiny_model_config(hidden_size=128, ffn_hidden_size=512, max_seq_len=L),
                     parallel=parallel_config(1, 1), optim=OptimizerConfig(lr=1e-6),
-                    train=TrainConfig(mini_batch_size=B, micro_batch_size=8))
-    cfg.rollout.max_new_tokens = CAP
+                    train=TrainConfig(mini_batch_size=rows, micro_batch_size=8))
+    cfg.rollout.max_new_tokens = cap
     init_model_parallel(cfg.parallel, seed=0)
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision)
     optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
@@ -93,11 +96,15 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="a few seconds: checks the script runs, measures nothing")
     args = parser.parse_args()
-    (res,), = [run_multirank(_rank, 1, args=(args.steps,), timeout=3600)]
+    rows, cap = (TINY_B, TINY_CAP) if args.tiny else (B, CAP)
+    if args.tiny:
+        args.steps = 1
+    (res,), = [run_multirank(_rank, 1, args=(args.steps, rows, cap), timeout=3600)]
     lengths = sorted(res["lengths"])
-    print(f"batch: {B} sequences, prompt {PROMPT}, response lengths median {lengths[B // 2]}, "
-          f"p90 {lengths[int(0.9 * B)]}, max {lengths[-1]} (log-normal, sigma 0.9, cap {CAP}); "
+    print(f"batch: {rows} sequences, prompt {PROMPT}, response lengths median {lengths[rows // 2]}, "
+          f"p90 {lengths[int(0.9 * rows)]}, max {lengths[-1]} (log-normal, sigma 0.9, cap {cap}); "
           f"padded length {res['L']}, budget {res['budget']} tokens")
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"{'mode':8s} {'micro-batches':>14s} {'padding waste':>14s} {'median s/step':>14s} {'min':>8s}")

@@ -1,7 +1,7 @@
 """Our vocab-parallel token stats vs the naive full-softmax path: peak extra memory and time.
 
     python benchmarks/bench_logprobs.py [--tokens 4096] [--vocab 32000] [--rounds 2]
-                                        [--repeats 3] [--threads 1] [--chunk-size 1024]
+                                        [--repeats 3] [--threads 1] [--chunk-size 1024] [--tiny]
 
 Both variants compute per-token log-prob of the target and entropy from bf16 logits
 [tokens, 1, vocab] (TP=1, CPU) and back-propagate a random per-token weighting of both:
@@ -27,6 +27,8 @@ other processes on the machine hits both alike, and the best round per variant i
 
 Prints both variants side by side, a check that they agree, and one JSON line with
 ``peak_mem_ratio`` and ``time_ratio`` (ours / naive). Targets: <= 0.5 and <= 1.0.
+``--tiny``: 256 tokens x vocabulary 4096, one round of one repeat (checks the script runs; the
+figures are not a measurement).
 """
 from __future__ import annotations
 
@@ -99,10 +101,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier ratios)")
     ap.add_argument("--chunk-size", type=int, default=1024, help="our op's chunk_size (its default: 1024)")
+    ap.add_argument("--tiny", action="store_true", help="a few seconds: checks the script runs, measures nothing")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return _child(args)
+    if args.tiny:
+        args.tokens, args.vocab, args.rounds, args.repeats = 256, 4096, 1, 1
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     # Every allocation >= 1 MiB is mmapped and unmapped on free: nothing a step frees stays in

@@ -1,10 +1,11 @@
 """Time every registered policy loss, forward + backward, on [64, 4096] tokens on the CPU.
 
-    python benchmarks/bench_losses.py [--batch 64] [--tokens 4096] [--repeats 15] [--threads 1]
+    python benchmarks/bench_losses.py [--batch 64] [--tokens 4096] [--repeats 15] [--threads 1] [--tiny]
 
 Losses run round-robin (so drift in machine load hits all of them alike); the
 median is reported with its ratio to grpo. The last line is one JSON object
-{"<name>_over_grpo": ratio, ...}. Target: dpcc <= 1.3x grpo.
+{"<name>_over_grpo": ratio, ...}. Target: dpcc <= 1.3x grpo. ``--tiny``: [4, 64] tokens, 2 repeats
+(a check that the script runs, not a measurement).
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier ratios)")
+    ap.add_argument("--tiny", action="store_true", help="a few seconds: checks the script runs, measures nothing")
     args = ap.parse_args()
+    if args.tiny:
+        args.batch, args.tokens, args.repeats, args.warmup = 4, 64, 2, 1
     torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """Monitor benchmark: trainer-side cost per iteration with the sidecar up and down, and
 sidecar ingest throughput.
 
-    python benchmarks/bench_monitor.py [--iters 2000] [--records 20000] [--no-tensorboard]
+    python benchmarks/bench_monitor.py [--iters 2000] [--records 20000] [--no-tensorboard] [--tiny]
 
 Per iteration the trainer calls ``client.send(record)`` (a 24-field record, the
 standard fields plus one extra) and ``client.poll_control()``; only those calls are
@@ -9,7 +9,8 @@ timed, with a short sleep between iterations standing in for the training step.
 "Down" points the client at a port nobody listens on (it spools to disk in its thread).
 Sidecar throughput: pre-serialised batches of 256 records POSTed by 2 threads to a
 sidecar subprocess (SQLite + Prometheus state + TensorBoard events + detector), timed
-until ``/healthz`` reports them all stored. Ends with one JSON line.
+until ``/healthz`` reports them all stored. Ends with one JSON line. ``--tiny``: 20 iterations and
+512 records (checks the script runs; the figures are not a measurement).
 """
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--records", type=int, default=20000)
     ap.add_argument("--no-tensorboard", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a few seconds: checks the script runs, measures nothing")
     args = ap.parse_args()
+    if args.tiny:
+        args.iters, args.records = 20, 512
     work = Path(tempfile.mkdtemp(prefix="bench-monitor-"))
     handle = None
     try:

@@ -51,7 +51,7 @@ def _bench(rank, world, args, out_dir):
     par = parallel_config(1, 1)
     init_model_parallel(par, seed=0)
     results = {}
-    for size, spec in SIZES.items():
+    for size, spec in ((s, SIZES[s]) for s in args.sizes):
         cfg = ModelConfig(**spec, init_method_std=0.05)
         torch.manual_seed(0)
         chunks = [build_gpt_model(cfg, par)]
@@ -110,7 +110,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1,
                     help="Megatron engine threads (vLLM's CPU backend binds its worker to one core)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny size only, 2 x 2 sequences of 4 tokens, one repeat: checks the script runs")
     args = ap.parse_args()
+    args.sizes = ("tiny",) if args.tiny else tuple(SIZES)
+    if args.tiny:
+        args.prompts, args.group, args.new, args.repeats = 2, 2, 4, 1
     from dpcc_megatron.testing import run_multirank
 
     load = os.getloadavg()[0]
@@ -122,7 +127,7 @@ def main() -> int:
         print(f"{size:6} {r['params']:>10} {r['megatron_tokens_per_s']:>15} {r['vllm_tokens_per_s']:>11} "
               f"{r['vllm_over_megatron_tokens_per_s']:>14} {r['refit_s']:>8} {r['refit_over_rollout_time']:>14} "
               f"{str(r['refit_peak_extra_over_model']):>16} {r['vllm_start_s']:>13}")
-    big = res["large"]
+    big = res[args.sizes[-1]]  # the large size; the tiny one under --tiny
     print(json.dumps({"vllm_over_megatron_tokens_per_s": big["vllm_over_megatron_tokens_per_s"],
                       "refit_over_rollout_time": big["refit_over_rollout_time"], "load_avg_1m_at_start": round(load, 1),
                       "prompts": args.prompts, "group": args.group, "max_new_tokens": args.new, "sizes": res}))

@@ -2,11 +2,12 @@
 `dpcc` against `grpo`, interleaved in one run so both see the same machine state, and the
 calibrated preset's drift probe (one forward-only micro-batch after an iteration's steps).
 
-    python benchmarks/bench_step.py [--steps 20]
+    python benchmarks/bench_step.py [--steps 20] [--tiny]
 
 Target: DPCC overhead <= 3% (dpcc_over_grpo <= 1.03). The probe runs once per iteration; its
 cost is printed against one step (the worst case: one optimizer step per iteration).
-Ends with one JSON line.
+Ends with one JSON line. ``--tiny``: 8 sequences of 32 tokens, one timed round (checks the script
+runs; the figures are not a measurement).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 import torch
 
 
-def _rank(rank, world, steps):
+def _rank(rank, world, steps, B=32, L=64):
     from megatron.core import parallel_state as ps
 
     from dpcc_megatron.algo import DPCCController
@@ -29,16 +30,17 @@ def _rank(rank, world, steps):
     from dpcc_megatron.testing.tiny import parallel_config, tiny_model_config
     from dpcc_megatron.train.update import policy_update, probe_drift
 
-    B, L, V = 32, 64, 256
+    V = 256
     cfg = JobConfig(model=tiny_model_config(hidden_size=128, ffn_hidden_size=512, max_seq_len=L),
                     parallel=parallel_config(1, 1), optim=OptimizerConfig(lr=1e-5),
-                    train=TrainConfig(mini_batch_size=B, micro_batch_size=8))
+                    train=TrainConfig(mini_batch_size=B, micro_batch_size=min(8, B)))
     init_model_parallel(cfg.parallel, seed=0)
     chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (B, L), generator=g)
     mask = torch.zeros(B, L - 1, dtype=torch.bool)
     mask[:, 16:] = True
+    cfg.rollout.max_new_tokens = int(mask.sum(1).max())  # the generation budget covers these responses
     batch = RLBatch(tokens=tokens, mask=mask, old_logprobs=-5.5 + 0.1 * torch.randn(B, L - 1, generator=g),
                     advantages=torch.randn(B, generator=g))
     optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
@@ -68,8 +70,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true", help="a few seconds: checks the script runs, measures nothing")
     args = parser.parse_args()
-    (times,), = [run_multirank(_rank, 1, args=(args.steps,), timeout=1800)]
+    shape = (8, 32) if args.tiny else (32, 64)
+    if args.tiny:
+        args.steps = 1
+    (times,), = [run_multirank(_rank, 1, args=(args.steps, *shape), timeout=1800)]
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{'loss':6s} {'median s/step':>14s} {'min':>8s}")
     for k in ("grpo", "dpcc"):

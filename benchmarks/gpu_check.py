@@ -164,6 +164,7 @@ def run_mode(name: str, precision_kw: dict, args, device) -> dict:
     tokens = torch.randint(0, model_cfg.vocab_size, (n_seqs, args.seq_len + 1), generator=g)
     mask = torch.zeros(n_seqs, args.seq_len, dtype=torch.bool)
     mask[:, args.seq_len // 4:] = True  # prompt quarter, response three quarters
+    cfg.rollout.max_new_tokens = int(mask.sum(1).max())  # the generation budget covers these responses
     batch = RLBatch(tokens=tokens, mask=mask, advantages=torch.randn(n_seqs, generator=g))
     old, _ = compute_logprobs(chunks, batch, micro_batch_size=args.micro_batch, vocab_size=model_cfg.vocab_size,
                               dp_size=1)

@@ -1,6 +1,6 @@
 """The real DPCC loop on one GPU: rollout, old log-probs, update, save, resume.
 
-    python benchmarks/gpu_loop_check.py [--out DIR] [--timeout S] [--allow-cpu]
+    python benchmarks/gpu_loop_check.py [--out DIR] [--timeout S] [--allow-cpu | --tiny]
 
 Two launches of ``dpcc-megatron train`` (``python -m dpcc_megatron.cli train``, one rank) with
 ``examples/tiny_cpu.yaml`` at TP1, the local layer spec, bf16 and the backend picked per machine
@@ -14,7 +14,8 @@ Every per-machine default is in force: on a GPU that means asynchronous checkpoi
 overlaps (a no-op at DP=1), released memory between phases, sampling on the GPU's generator.
 It checks the exit statuses, the launch line (launcher, layout, device), the resume, the
 checkpoints and the metric records (finite entropy, KL and sampler/trainer mismatch), and ends
-with one JSON line. Without CUDA it refuses unless ``--allow-cpu`` (a dry run of the script on
+with one JSON line. Without CUDA it refuses (exit status 2, saying so) unless ``--allow-cpu`` or
+its alias ``--tiny``, the name every benchmark script's CI check passes (a dry run of the script on
 the CPU execution layer, not a GPU result). ``benchmarks/gpu_check.sh`` runs it first.
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="working directory (default: a fresh temporary one)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per launch")
-    ap.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU (not a GPU result)")
+    ap.add_argument("--allow-cpu", "--tiny", action="store_true", help="dry run on the CPU (not a GPU result)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra config override")
     args = ap.parse_args(argv)
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
-        print("gpu_loop_check: no CUDA device (use --allow-cpu for a dry run of the script)", file=sys.stderr)
+        print("gpu_loop_check: no CUDA device (use --allow-cpu or --tiny for a dry run of the script)", file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="dpcc-gpu-loop-"))
     cmd = train_command(out, args.extra)

@@ -14,6 +14,10 @@ This layer redirects exactly these, and nothing else:
 4. ``Tensor.type()`` with no argument reports ``torch.cuda.FloatTensor`` and the like
    for CPU tensors: Megatron's optimizers check these strings.
 5. ``Tensor.cuda()`` / ``Module.cuda()`` return self.
+6. ``torch.cuda.current_stream()`` / ``default_stream()`` return torch's CPU stream stand-in
+   (``torch.cpu.Stream``: ``wait_stream``, ``wait_event``, ``record_event`` are no-ops).
+   megatron-core >= 0.17's DDP ``start_grad_sync`` asks for the current stream on every gradient
+   sync (to wait for CUDA-graph replay events); 0.16 does not.
 
 Sequence parallelism needs no redirect: gloo runs the ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` that Megatron's SP regions use (torch 2.13); the SP-capable norm
@@ -108,6 +112,8 @@ def enable_cpu_megatron() -> None:
     cpu = torch.device("cpu")
     torch.cuda.current_device = lambda: cpu
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: torch.cpu.current_stream()
+    torch.cuda.default_stream = lambda *a, **k: torch.cpu.current_stream()
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
