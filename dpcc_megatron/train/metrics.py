@@ -41,6 +41,8 @@ def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
     mask = batch.mask.to(device)
     entropy = entropy.to(device)
     n = mask.sum().clamp(min=1)
+    if not bool(mask.any()):  # every row is padding (dynamic sampling kept no group): nothing to measure,
+        return {"entropy": None, "perplexity": None}  # and a 0 would read as a low-entropy collapse
     out = {
         "entropy": float((entropy * mask).sum() / n),
         "perplexity": float(torch.exp(-(old_lp * mask).sum() / n)),
@@ -95,7 +97,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
     }
     rec.update(moe_record_fields(merged))  # expert load, dropped tokens, router aux losses (MoE only)
     if ctx.reference is not None:  # KL(pi_theta || pi_ref) over the iteration's updates (loss.kl_estimator)
-        rec["kl_ref"] = _f(merged.get("ref_kl", float("nan")))
+        # an iteration whose rows are all padding has no token to measure it on
+        rec["kl_ref"] = _f(merged.get("ref_kl", float("nan"))) if bool(batch.mask.any()) else None
         rec["kl_ref_estimator"] = cfg.loss.kl_estimator  # the penalty's, which may differ from kl_old_new's
     # What the detector judges on: the rule track (no contrastive tie-breakers) and each step's own KL.
     G = cfg.rollout.group_size
@@ -112,7 +115,7 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
                 if isinstance(v, (int, float))})
     rec.update(lp_stats)
     rec.update(response_metrics(token_seqs=rollouts.response_ids, texts=rollouts.texts))
-    if "entropy" in lp_stats:
+    if lp_stats.get("entropy") is not None:
         rec["entropy_frac"] = entropy_fraction(lp_stats["entropy"], ctx.vocab_size)
     tokens = int(batch.mask.sum()) * ctx.dp
     rec["tokens_per_s"] = tokens / max(seconds, 1e-9)
