@@ -110,3 +110,18 @@ def test_a_sandbox_that_fails_to_start_is_a_counted_skip(monkeypatch):
         result = reward.score([S("```python\n" + ADD + "```", task="code", tests="assert add(1, 2) == 3\n")])
     assert result.checker_scores["code"] == [None] and result.metrics["reward/checker_skips"] == 1.0
     assert "did not start" in result.messages[0]
+
+
+def test_the_namespaces_mode_runs_a_python_whose_environment_is_under_tmp():
+    """The sandbox root's tmpfs must not hide the runtime it binds (a checkout and its venv under /tmp)."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    d = tempfile.mkdtemp(dir="/tmp", prefix="dpcc-sandbox-venv-")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", d + "/venv"], check=True, timeout=120)
+        assert isolation.probe("namespaces", d + "/venv/bin/python") == ""
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

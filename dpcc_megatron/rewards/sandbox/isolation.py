@@ -160,7 +160,11 @@ def _nsinit(binds, links, scratch_bytes):
             raise OSError(ctypes.get_errno(), "mount %s" % dst)
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    root = "/tmp"
+    # The new root's tmpfs must not hide a source of the binds (a checkout and its venv under /tmp).
+    sources = list(binds) + [n for n, t in links if not t]
+    under = lambda p, r: p == r or p.startswith(r + "/")
+    root = next(r for r in ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run")
+                if os.path.isdir(r) and not any(under(p, r) or under(r, p) for p in sources))
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for path in binds:
         os.makedirs(root + path, exist_ok=True)
