@@ -127,7 +127,9 @@ def test_resume_is_exact(tmp_path, capfd):
     b = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in b] == [2, 3]
     # the save at the end of iteration 1 shows in iteration 2's record, and only there
-    assert [r["time_checkpoint_s"] > 0.05 for r in a] == [False, False, True, False]
+    # (a save, sync or the launch of an asynchronous one, costs more than the no-op check before it)
+    t = [r["time_checkpoint_s"] for r in a]
+    assert t[2] > 0 and t[2] > max(t[0], t[1]), t
     for ra, rb in zip(a[2:], b):
         for k in keys:
             assert abs(ra[k] - rb[k]) <= 1e-6, (k, ra["iteration"], ra[k], rb[k])
