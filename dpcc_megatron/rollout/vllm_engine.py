@@ -261,8 +261,12 @@ def vllm_shm_files(ident: str, directory: str = _VLLM_SHM_DIR) -> list[str]:
 def remove_vllm_shm(ident: str, directory: str = _VLLM_SHM_DIR) -> int:
     """Unlink the engine ``ident``'s communicator files (their mappings stay valid: the workers keep
     communicating); returns how many were removed."""
+    return _unlink_all(vllm_shm_files(ident, directory))
+
+
+def _unlink_all(paths) -> int:
     n = 0
-    for path in vllm_shm_files(ident, directory):
+    for path in paths:
         try:
             os.unlink(path)
             n += 1
@@ -279,9 +283,10 @@ def _mapped_paths() -> set:
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                out.update(line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line)
-        except (OSError, IndexError):
+                fields = [line.split(None, 5) for line in f]
+        except OSError:  # exited meanwhile, or not ours to read
             continue
+        out.update(x[5].strip() for x in fields if len(x) == 6)
     return out
 
 
@@ -296,16 +301,8 @@ def remove_orphaned_vllm_shm(before: set, directory: str = _VLLM_SHM_DIR) -> int
         return 0
     if not new:
         return 0
-    mapped, n = _mapped_paths(), 0
-    for f in new:
-        path = os.path.join(directory, f)
-        if path not in mapped:
-            try:
-                os.unlink(path)
-                n += 1
-            except FileNotFoundError:
-                pass
-    return n
+    mapped = _mapped_paths()
+    return _unlink_all(p for p in (os.path.join(directory, f) for f in new) if p not in mapped)
 
 
 def _remove_engine_shm() -> None:
