@@ -126,7 +126,14 @@ def _gpu_loop(r):
     assert r["summary"]["stop_kind"] == "completed" and r["summary"]["iterations"] == 2
 
 
-CHECKS = {"bench_batching.py": _batching, "bench_losses.py": _losses, "bench_monitor.py": _monitor,
+def _rollout(r):
+    assert r["tp"] == 2  # trainer TP2 with a vLLM TP2 engine
+    assert r["sizes"]["tiny"]["vllm_tokens"] == r["sizes"]["tiny"]["megatron_tokens"] == 4 * 2 * 2
+    peak = r["refit_peak_extra_over_model"]["tiny"]
+    assert math.isfinite(peak) and peak > 0
+
+
+CHECKS = {"bench_batching.py": _batching, "bench_rollout.py": _rollout, "bench_losses.py": _losses, "bench_monitor.py": _monitor,
           "bench_step.py": _step, "gpu_check.py": _gpu_check, "gpu_loop_check.py": _gpu_loop}
 
 
