@@ -7,9 +7,10 @@ from typing import Optional
 from ..config import ModelConfig
 from .compat import architecture_diffs
 from .errors import ConversionError
-from .mcore_format import MODEL_FILE, read_model_config, resolve_checkpoint_dir, stored_entries
+from .mcore_format import MODEL_FILE, read_model_config, resolve_checkpoint_dir
 from .nemo_format import PREFIX as NEMO_PREFIX
 from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
+from .stored import stored_entries
 
 
 def load_mcore_checkpoint(chunks: list, ckpt_dir: str | Path, model_cfg: Optional[ModelConfig] = None) -> None:

@@ -26,6 +26,7 @@ from ..config import ConfigError, ModelConfig
 from ..config.base import run_validate
 from .errors import ConversionError
 from .hf_config import MEGATRON_LLAMA3_FIXED
+from .stored import stored_entries
 
 CONTEXT_DIR = "context"
 WEIGHTS_DIR = "weights"
@@ -359,8 +360,6 @@ COMMON_STATE = {"epoch": 0, "global_step": 0,
 def read_nemo_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, Path]:
     """(ModelConfig, weights directory) of a NeMo 2 checkpoint; the weights are checked to be a
     torch_dist checkpoint holding the embedding, whose rows give a null ``vocab_size``."""
-    from .mcore_format import stored_entries
-
     weights = nemo_weights_dir(ckpt_dir)
     tensors, _ = stored_entries(weights)
     embed = tensors.get(PREFIX + "embedding.word_embeddings.weight")
