@@ -327,7 +327,7 @@ def _moe_args(cfg: ModelConfig) -> dict:
     fields NeMo's MoE configs leave at their defaults are written too, so a config class whose
     defaults differ cannot change the routing."""
     return {"num_moe_experts": cfg.num_moe_experts, "moe_router_topk": cfg.moe_router_topk,
-            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,  # None: ffn_hidden_size, in Megatron as here
             "moe_router_pre_softmax": cfg.moe_router_pre_softmax, "moe_router_score_function": "softmax",
             "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
             "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",

@@ -11,7 +11,7 @@ import torch
 
 from dpcc_megatron.testing import run_multirank
 
-from .hf_models import VOCAB, build_hf, hf_logits, read_tensors, run_cli
+from .hf_models import VOCAB, assert_one_rank_matches_hf, build_hf, read_tensors, run_cli
 
 pytestmark = pytest.mark.multirank
 
@@ -62,11 +62,7 @@ def work(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "{}-tp{}-pp{}-ep{}-etp{}".format(*lay))
 def test_logits_match_hf(work, layout):
-    ref = hf_logits(work["hf"][layout[0]], TOKENS)
-    got = [r[layout] for r in work["ranks"] if r[layout] is not None]
-    assert len(got) == 1, "exactly one rank returns logits"
-    assert got[0].shape == ref.shape == (2, 16, VOCAB)
-    torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=0)
+    assert_one_rank_matches_hf(work["ranks"], layout, work["hf"][layout[0]], TOKENS)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

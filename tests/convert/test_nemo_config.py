@@ -233,3 +233,58 @@ def test_io_json_names_the_tokenizer_and_the_weights_dtype(tmp_path):
                    "pretrained_model_name": "nemo_tokenizer"}
     with pytest.raises(ConversionError, match="dtype 'fp8'"):
         io_json(LLAMA_CFG, dtype="fp8")
+
+
+# NeMo's model.yaml of tiny presets (tests/fixtures/nemo2/make_fixture.py): name -> (config class, the model
+# config fields they map to, the dtype NeMo's config builds in)
+NEMO_CONFIGS = {
+    "qwen3": ("qwen3.Qwen3Config600M", dict(qk_layernorm=True, tie_embeddings=True, norm_epsilon=1e-6,
+                                            num_moe_experts=None), "fp32"),
+    "qwen3_moe": ("qwen3.Qwen3Config30B_A3B", dict(qk_layernorm=True, tie_embeddings=False, num_moe_experts=8,
+                                                   moe_router_topk=2, moe_ffn_hidden_size=24,
+                                                   moe_router_pre_softmax=False, moe_aux_loss_coeff=1e-3,
+                                                   moe_z_loss_coeff=0.0), "fp32"),
+    "mixtral": ("mixtral.MixtralConfig8x7B", dict(qk_layernorm=False, tie_embeddings=False, num_moe_experts=4,
+                                                  moe_router_topk=2, moe_ffn_hidden_size=None, norm_epsilon=1e-5,
+                                                  moe_aux_loss_coeff=0.01), "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEMO_CONFIGS))
+def test_nemos_qwen3_and_moe_configs_map_and_write_back(tmp_path, name):
+    """NeMo's own Qwen3, Qwen3-MoE and Mixtral model.yaml map to the model config, and what we write
+    for that config names NeMo's fields with NeMo's values (the config class is the family's base)."""
+    preset, fields, dtype = NEMO_CONFIGS[name]
+    ckpt = _ckpt(tmp_path, CONFIGS / f"{name}.yaml", weights=False)
+    theirs = yaml.safe_load((ckpt / "context" / "model.yaml").read_text())
+    assert theirs["config"]["_target_"] == f"nemo.collections.llm.gpt.model.{preset}"
+    cfg = read_nemo_model_config(ckpt)
+    assert {k: getattr(cfg, k) for k in fields} == fields
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels, cfg.vocab_size) == (4, 64, 96, 16, 96)
+    ours = yaml.safe_load(model_yaml(cfg, dtype=dtype))
+    assert ours["_target_"] == theirs["_target_"]
+    assert ours["config"]["_target_"].rpartition(".")[0] == theirs["config"]["_target_"].rpartition(".")[0]
+    for field, value in ours["config"].items():
+        if field != "_target_":
+            assert field in theirs["config"] and theirs["config"][field] == value, field
+
+
+def test_tokenizer_context_matches_nemos_own(tmp_path):
+    """The tokenizer we name in io.json is the object NeMo's io_dump writes for a model given
+    ``AutoTokenizer(<dir>/nemo_tokenizer)`` (as NeMo's HF importers give it): same class, path,
+    arguments and values; our model.yaml's tokenizer fields are NeMo's."""
+    nemo_dir = CONFIGS / "tokenizer"
+
+    def tokenizer_object(io_path):
+        doc = json.loads(io_path.read_text())
+        (obj,) = [o for o in doc["objects"].values() if o.get("paths") == ["<root>.model.tokenizer"]]
+        meta = doc["objects"][obj["metadata"]["key"]]
+        return dict(meta["items"])["Attr(name='fn_or_cls')"], obj["items"]
+
+    (tmp_path / "io.json").write_text(io_json(LLAMA_CFG, tokenizer=True))
+    assert tokenizer_object(tmp_path / "io.json") == tokenizer_object(nemo_dir / "io.json")
+    assert config_paths(tmp_path / "io.json")["<root>.model.tokenizer"] == \
+        config_paths(nemo_dir / "io.json")["<root>.model.tokenizer"]
+    ours = yaml.safe_load(model_yaml(LLAMA_CFG, tokenizer=True))["tokenizer"]
+    theirs = yaml.safe_load((nemo_dir / "model.yaml").read_text())["tokenizer"]
+    assert ours.items() <= theirs.items() and theirs["pretrained_model_name"] == "nemo_tokenizer"
