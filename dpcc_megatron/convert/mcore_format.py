@@ -104,16 +104,18 @@ def read_checkpoint_info(ckpt_dir: Path) -> dict:
     return yaml.safe_load(f.read_text()) if f.is_file() else {}
 
 
-def stored_dtype(path: Path) -> torch.dtype:
+def stored_dtype(path: Path, prefix: str = "") -> torch.dtype:
+    """The embedding's dtype in the torch_dist checkpoint ``path`` (keys behind ``prefix``)."""
     tensors, _ = stored_entries(path)
-    if "embedding.word_embeddings.weight" not in tensors:
-        raise ConversionError(f"{path} holds no embedding.word_embeddings.weight: not a GPT model checkpoint")
-    return tensors["embedding.word_embeddings.weight"][1]
+    key = prefix + "embedding.word_embeddings.weight"
+    if key not in tensors:
+        raise ConversionError(f"{path} holds no {key}: not a GPT model checkpoint")
+    return tensors[key][1]
 
 
-def output_dtype(path: Path, requested: Optional[str]) -> tuple[str, torch.dtype]:
+def output_dtype(path: Path, requested: Optional[str], prefix: str = "") -> tuple[str, torch.dtype]:
     """(name, dtype) a converter writes: ``requested``, else the dtype the checkpoint stores."""
-    source = stored_dtype(path)
+    source = stored_dtype(path, prefix)
     if requested is None and source not in DTYPE_NAMES:
         raise ConversionError(f"the checkpoint stores {source}; pass --dtype fp32, bf16 or fp16")
     name = requested or DTYPE_NAMES[source]

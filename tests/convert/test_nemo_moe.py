@@ -136,3 +136,12 @@ def test_expert_parallel_round_trip_is_bit_identical(work):
         assert first[key].dtype == back[key].dtype and torch.equal(first[key], back[key]), key
     assert (work["root"] / "back" / "context" / "io.json").read_text() == \
         (work["nemo"]["qwen3_moe"] / "context" / "io.json").read_text()
+
+
+def test_verify_reads_a_nemo_checkpoint(work):
+    rc, out, err = run_cli(["convert", "verify", "--hf", str(work["hf"]["mixtral"]), "--mcore",
+                            str(work["nemo"]["mixtral"]), "--ep", "2", "--seq-len", "8", "--atol", "1e-4"])
+    assert rc == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["ok"] and report["ep"] == 2 and report["params_dtype"] == "fp32"
+    assert report["max_abs_logit_diff"] <= 1e-4
