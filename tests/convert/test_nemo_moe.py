@@ -39,16 +39,40 @@ def _conversions(rank, world, jobs):
     return {name: run_cli(job) for name, job in jobs.items()}
 
 
-def _forwards(rank, world, cases, tokens, moe_nemo, trained):
+def _forwards(rank, world, cases, tokens, moe_nemo, trained, local_named):
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
     from dpcc_megatron.config import ParallelConfig
-    from dpcc_megatron.convert import read_model_config
+    from dpcc_megatron.convert import load_mcore_checkpoint, read_model_config
+    from dpcc_megatron.convert.nemo_format import COMMON_STATE, PREFIX
     from dpcc_megatron.convert.verify import mcore_logits
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import destroy_model_parallel, init_model_parallel
 
     from .hf_models import resave
 
     out = {key: mcore_logits(path, tokens, tp, pp, ep=ep, etp=etp) for key, (path, tp, pp, ep, etp) in cases.items()}
     # The NeMo Qwen3-MoE policy at EP=2, saved as a training checkpoint (each rank holds half the experts).
-    resave(moe_nemo, read_model_config(moe_nemo), ParallelConfig(expert_model_parallel_size=2), trained, 3)
+    cfg, ep2 = read_model_config(moe_nemo), ParallelConfig(expert_model_parallel_size=2)
+    resave(moe_nemo, cfg, ep2, trained, 3)
+    # The same NeMo checkpoint as NeMo saves it without Transformer Engine (Megatron's local spec: the
+    # MoE layer's norm under the dense layer's fused name), read back at EP=2.
+    init_model_parallel(ep2)
+    try:
+        model = build_gpt_model(cfg, ep2)
+        load_mcore_checkpoint([model], moe_nemo, cfg)
+        dist_checkpointing.save({"state_dict": model.sharded_state_dict(prefix=PREFIX), **COMMON_STATE},
+                                str(local_named / "weights"))
+    finally:
+        destroy_model_parallel()
+    if rank == 0:
+        shutil.copytree(moe_nemo / "context", local_named / "context")
+    import torch.distributed as dist
+
+    dist.barrier()
+    out["local_named"] = mcore_logits(local_named, tokens, 1, 1, ep=2)
     return out
 
 
@@ -70,7 +94,9 @@ def work(tmp_path_factory):
     for job, (rc, _, err) in results.items():
         assert rc == 0, f"{job} failed:\n{err[-3000:]}"
     cases = {layout: (str(nemo[layout[0]]), *layout[1:]) for layout in LAYOUTS}
-    ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, nemo["qwen3_moe"], root / "trained"), timeout=600)
+    (root / "local_named" / "weights").mkdir(parents=True)
+    ranks = run_multirank(_forwards, 2, args=(cases, TOKENS, nemo["qwen3_moe"], root / "trained",
+                                              root / "local_named"), timeout=600)
     back = run_multirank(_conversions, 1, args=({"back": [
         "convert", "mcore-to-nemo", "--mcore", str(root / "trained"), "--out", str(root / "back"), "--no-progress",
         "--tokenizer", str(hf["qwen3_moe"])]},), timeout=600)[0]["back"]
@@ -124,6 +150,15 @@ def test_expert_weights_are_stored_as_nemo_stores_them(work):
     assert not any("local_experts" in k or "linear_fc1.layer_norm" in k for k in tensors)
     dense, _ = stored_entries(work["nemo"]["qwen3"] / "weights")  # a dense layer's norm is fused, as in TE
     assert layers + "mlp.linear_fc1.layer_norm_weight" in dense and layers + "pre_mlp_layernorm.weight" not in dense
+
+
+def test_a_nemo_moe_checkpoint_saved_without_transformer_engine_loads(work):
+    from dpcc_megatron.convert.stored import stored_entries
+
+    tensors, _ = stored_entries(work["root"] / "local_named" / "weights")
+    assert "module.decoder.layers.mlp.linear_fc1.layer_norm_weight" in tensors
+    assert "module.decoder.layers.pre_mlp_layernorm.weight" not in tensors
+    assert_one_rank_matches_hf(work["ranks"], "local_named", work["hf"]["qwen3_moe"], TOKENS)
 
 
 def test_expert_parallel_round_trip_is_bit_identical(work):
