@@ -188,6 +188,14 @@ def fill_token_ids(config: dict, out_dir: Path) -> list[str]:
     return filled
 
 
+# Any of these makes a directory a tokenizer that transformers' AutoTokenizer can load.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(copied: list[str]) -> bool:
+    return any(name in copied for name in TOKENIZER_VOCAB_FILES)
+
+
 def missing_export_files(config_from: Optional[str], copied: list[str], cfg, filled: list[str]) -> list[str]:
     """What an exported HF directory lacks that a user of it expects, one phrase each (empty: nothing).
 
@@ -200,7 +208,7 @@ def missing_export_files(config_from: Optional[str], copied: list[str], cfg, fil
         missing.append(f"the source model's config.json: config.json was generated from the model config ({ids}, "
                        f"max_position_embeddings = model.max_seq_len = {cfg.max_seq_len}); pass --hf-config "
                        "config.json of the model the run started from")
-    if not any(name in copied for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not has_tokenizer(copied):
         missing.append("tokenizer files: pass --tokenizer DIR (the source model's or data.tokenizer's directory)")
     if "generation_config.json" not in copied:
         missing.append("generation_config.json (sampling defaults and the eos ids chat models stop on): put it in "

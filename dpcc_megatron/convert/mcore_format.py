@@ -25,6 +25,8 @@ import torch
 from ..config import ConfigError, ModelConfig, from_dict, to_dict
 from ..config.base import run_validate
 from .errors import ConversionError
+from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
+from .stored import stored_entries
 
 FORMAT = "dpcc-mcore/1"
 MODEL_FILE = "dpcc_model.yaml"
@@ -58,8 +60,6 @@ def read_model_config(ckpt_dir: str | Path) -> ModelConfig:
     """The ModelConfig a checkpoint was written for (dpcc_model.yaml, a training checkpoint's
     trainer_state.json, or a NeMo 2 checkpoint's context/model.yaml)."""
     import yaml
-
-    from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
 
     if is_nemo2_dir(ckpt_dir):
         return read_nemo_checkpoint(ckpt_dir)[0]
@@ -104,31 +104,18 @@ def read_checkpoint_info(ckpt_dir: Path) -> dict:
     return yaml.safe_load(f.read_text()) if f.is_file() else {}
 
 
-def stored_entries(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], set[str]]:
-    """Tensor keys (global shape, dtype) and object keys stored in a torch_dist checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = FileSystemReader(str(path)).read_metadata()
-    tensors, objects = {}, set()
-    for key, meta in md.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata):
-            tensors[key] = (tuple(meta.size), meta.properties.dtype)
-        else:
-            objects.add(key)
-    return tensors, objects
-
-
-def stored_dtype(path: Path) -> torch.dtype:
+def stored_dtype(path: Path, prefix: str = "") -> torch.dtype:
+    """The embedding's dtype in the torch_dist checkpoint ``path`` (keys behind ``prefix``)."""
     tensors, _ = stored_entries(path)
-    if "embedding.word_embeddings.weight" not in tensors:
-        raise ConversionError(f"{path} holds no embedding.word_embeddings.weight: not a GPT model checkpoint")
-    return tensors["embedding.word_embeddings.weight"][1]
+    key = prefix + "embedding.word_embeddings.weight"
+    if key not in tensors:
+        raise ConversionError(f"{path} holds no {key}: not a GPT model checkpoint")
+    return tensors[key][1]
 
 
-def output_dtype(path: Path, requested: Optional[str]) -> tuple[str, torch.dtype]:
+def output_dtype(path: Path, requested: Optional[str], prefix: str = "") -> tuple[str, torch.dtype]:
     """(name, dtype) a converter writes: ``requested``, else the dtype the checkpoint stores."""
-    source = stored_dtype(path)
+    source = stored_dtype(path, prefix)
     if requested is None and source not in DTYPE_NAMES:
         raise ConversionError(f"the checkpoint stores {source}; pass --dtype fp32, bf16 or fp16")
     name = requested or DTYPE_NAMES[source]

@@ -14,7 +14,8 @@ import torch
 from ..config import ModelConfig, ParallelConfig, PrecisionConfig
 from .errors import ConversionError
 from .layout import OUTPUT, Unit, canonical_name, unit_of, units
-from .mcore_format import DTYPE_NAMES, stored_dtype, stored_entries
+from .mcore_format import DTYPE_NAMES, stored_dtype
+from .stored import stored_entries
 
 
 def meta_model(cfg: ModelConfig, dtype: torch.dtype):

@@ -7,9 +7,10 @@ from typing import Optional
 from ..config import ModelConfig
 from .compat import architecture_diffs
 from .errors import ConversionError
-from .mcore_format import MODEL_FILE, read_model_config, resolve_checkpoint_dir, stored_entries
+from .mcore_format import MODEL_FILE, read_model_config, resolve_checkpoint_dir
 from .nemo_format import PREFIX as NEMO_PREFIX
-from .nemo_format import is_nemo2_dir, read_nemo_checkpoint
+from .nemo_format import is_nemo2_dir, read_nemo_checkpoint, stored_nemo_key
+from .stored import stored_entries
 
 
 def load_mcore_checkpoint(chunks: list, ckpt_dir: str | Path, model_cfg: Optional[ModelConfig] = None) -> None:
@@ -43,6 +44,8 @@ def load_mcore_checkpoint(chunks: list, ckpt_dir: str | Path, model_cfg: Optiona
                 if sh.unique_key in objects:  # extra state is optional (e.g. local spec -> TE)
                     part[name] = sh
                 continue
+            if prefix == NEMO_PREFIX:
+                sh.key = stored_nemo_key(sh.key, tensors)
             if sh.key not in tensors:
                 problems.append(f"{sh.key} is not in the checkpoint")
             elif isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch and \

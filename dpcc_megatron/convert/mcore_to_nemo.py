@@ -19,11 +19,12 @@ from typing import Callable, Optional
 import torch
 
 from .errors import ConversionError
-from .layout import EMBED, OUTPUT
+from .hf_files import has_tokenizer
+from .layout import EMBED, OUTPUT, units
 from .mcore_format import DTYPES, output_dtype, read_model_config, resolve_checkpoint_dir
 from .mcore_layout import iter_checkpoint_units, meta_model
-from .nemo_format import (COMMON_STATE, CONTEXT_DIR, IO_JSON, MODEL_YAML, PREFIX, WEIGHTS_DIR, io_json,
-                          model_yaml, nemo_config_args)
+from .nemo_format import (COMMON_STATE, CONTEXT_DIR, IO_JSON, MODEL_YAML, PREFIX, TOKENIZER_SUBDIR, WEIGHTS_DIR,
+                          io_json, model_yaml, nemo_config_args, nemo_key)
 from .runtime import check_output_dir, single_process_megatron, staged_dir
 from .staging import attach_staged, scratch_stager, staged_targets
 from .tensors import checked_cast
@@ -36,15 +37,16 @@ def mcore_to_nemo(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str
 
     The source model's files the checkpoint carries (or ``hf_config`` / ``tokenizer`` name) go to
     ``context/nemo_tokenizer/`` (tokenizer files, generation_config.json, config.json), where NeMo's
-    own HF import keeps its tokenizer; ``io.json`` names no tokenizer, so NeMo builds the model
-    without one unless given ``AutoTokenizer("<out>/context/nemo_tokenizer")``."""
+    own HF import keeps its tokenizer; when there is a tokenizer, ``io.json`` and ``model.yaml``
+    name it as NeMo's importers do (the model's ``tokenizer`` is NeMo's ``AutoTokenizer`` of
+    ``nemo_tokenizer``, relative to ``context/``), so ``load_context`` builds the model with it."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
     out = Path(out)
     path = resolve_checkpoint_dir(mcore_dir)
     cfg = read_model_config(path)
-    family, config_class, _ = nemo_config_args(cfg)  # refuses what NeMo's Llama/Qwen2 cannot express
+    family, config_class, _ = nemo_config_args(cfg)  # refuses what NeMo's model classes cannot express
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(out, overwrite)
@@ -57,7 +59,7 @@ def mcore_to_nemo(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str
         with staged_dir(out, overwrite) as tmp, scratch_stager(out) as stager:
             sharded = meta_model(unpadded, target).sharded_state_dict(prefix=PREFIX)
             targets = staged_targets(sharded, PREFIX)
-            for unit, can in tqdm(iter_checkpoint_units(path, cfg), total=cfg.num_layers + 2, desc="mcore-to-nemo",
+            for unit, can in tqdm(iter_checkpoint_units(path, cfg), total=len(units(cfg)), desc="mcore-to-nemo",
                                   unit="unit", disable=not progress):
                 for canon, t in can.items():
                     if canon not in targets:
@@ -77,19 +79,23 @@ def mcore_to_nemo(mcore_dir: str | Path, out: str | Path, *, dtype: Optional[str
                 raise ConversionError(f"the checkpoint lacks {sorted(targets)[:5]}")
             log(f"writing the NeMo 2 checkpoint to {out} ...")
             (tmp / WEIGHTS_DIR).mkdir()
-            dist_checkpointing.save({"state_dict": attach_staged(sharded, stager, PREFIX), **COMMON_STATE},
-                                    str(tmp / WEIGHTS_DIR))
+            state = attach_staged(sharded, stager, PREFIX)
+            moe = cfg.num_moe_experts is not None
+            for sh in state.values():  # an MoE layer's norm under the name NeMo's TE model gives it
+                for piece in sh if isinstance(sh, list) else [sh]:
+                    if hasattr(piece, "key"):
+                        piece.key = nemo_key(piece.key, moe)
+            dist_checkpointing.save({"state_dict": state, **COMMON_STATE}, str(tmp / WEIGHTS_DIR))
             (tmp / CONTEXT_DIR).mkdir()
-            (tmp / CONTEXT_DIR / MODEL_YAML).write_text(model_yaml(cfg))
-            (tmp / CONTEXT_DIR / IO_JSON).write_text(io_json(cfg))
             copied, missing = _source_files(path, tmp / CONTEXT_DIR / TOKENIZER_SUBDIR, cfg, hf_config, tokenizer)
+            with_tokenizer = has_tokenizer(copied)
+            (tmp / CONTEXT_DIR / MODEL_YAML).write_text(model_yaml(cfg, with_tokenizer, dtype_name))
+            (tmp / CONTEXT_DIR / IO_JSON).write_text(io_json(cfg, with_tokenizer, dtype_name))
     for line in missing:
         log(f"missing: {line}")
     return {"out": str(out), "model": family, "config_class": ".".join(config_class), "dtype": dtype_name,
-            "layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "tokenizer_files": copied, "missing": missing}
-
-
-TOKENIZER_SUBDIR = "nemo_tokenizer"
+            "layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "tokenizer_files": copied,
+            "tokenizer": f"{CONTEXT_DIR}/{TOKENIZER_SUBDIR}" if with_tokenizer else None, "missing": missing}
 
 
 def _source_files(path: Path, dst: Path, cfg, hf_config, tokenizer) -> tuple[list[str], list[str]]:

@@ -11,9 +11,9 @@ A NeMo 2 checkpoint (nemo-toolkit 2.x, ``nemo.collections.llm``) is a directory:
                          behind a ``module.`` prefix; common.pt holds Lightning's counters
 
 Everything here is yaml/json and dataclass work: nothing imports NeMo. The supported model
-classes are NeMo's Llama (Llama 2/3/3.1/3.2 configs), Qwen2 and Mistral; a config that asks
-for anything this project's Megatron model does not compute exactly is refused, naming the
-``config.<field>``.
+classes are NeMo's Llama (Llama 2/3/3.1/3.2 configs), Qwen2, Mistral, Qwen3 (dense and MoE
+configs) and Mixtral; a config that asks for anything this project's Megatron model does not
+compute exactly is refused, naming the ``config.<field>``.
 """
 from __future__ import annotations
 
@@ -26,12 +26,26 @@ from ..config import ConfigError, ModelConfig
 from ..config.base import run_validate
 from .errors import ConversionError
 from .hf_config import MEGATRON_LLAMA3_FIXED
+from .stored import stored_entries
 
 CONTEXT_DIR = "context"
 WEIGHTS_DIR = "weights"
 MODEL_YAML = "model.yaml"
 IO_JSON = "io.json"
 PREFIX = "module."  # NeMo's MegatronParallel saves the model's sharded state dict behind it
+# NeMo's HF importers save the tokenizer to a directory of this name, which io_dump copies into
+# context/ (a DirOrStringArtifact); io.json names it relative to context/ and load_context makes
+# the path absolute before it builds nemo.collections.common.tokenizers AutoTokenizer from it.
+TOKENIZER_SUBDIR = "nemo_tokenizer"
+AUTO_TOKENIZER = ("nemo.collections.common.tokenizers.huggingface.auto_tokenizer", "AutoTokenizer")
+# An MoE layer's pre-MLP norm has two checkpoint names: Megatron's local spec (this project's
+# model, and NeMo where Transformer Engine is missing) stores it under the dense layer's fused
+# name, the Transformer Engine spec (NeMo on GPUs, and NeMo's HF importers) under its own module.
+_MOE_NORM_LOCAL = PREFIX + "decoder.layers.mlp.linear_fc1.layer_norm_"
+_MOE_NORM_TE = PREFIX + "decoder.layers.pre_mlp_layernorm."
+# The weights' dtype -> the config's precision fields (fp16, bf16, params_dtype), as NeMo's HF
+# importers set them: NeMo builds the model in this dtype (MixtralConfig's default is bf16).
+_PRECISION = {"fp32": (False, False, "float32"), "bf16": (False, True, "bfloat16"), "fp16": (True, False, "float16")}
 
 _GPT = "nemo.collections.llm.gpt.model"
 # NeMo model class (module, name) -> the family's base config class written by mcore-to-nemo.
@@ -39,9 +53,12 @@ MODELS = {
     (f"{_GPT}.llama", "LlamaModel"): "Llama",
     (f"{_GPT}.qwen2", "Qwen2Model"): "Qwen2",
     (f"{_GPT}.mistral", "MistralModel"): "Mistral",
+    (f"{_GPT}.qwen3", "Qwen3Model"): "Qwen3",  # dense (Qwen3Config) and MoE (Qwen3MoEConfig)
+    (f"{_GPT}.mixtral", "MixtralModel"): "Mixtral",
 }
 _CONFIG_CLASS = {"Llama": (f"{_GPT}.llama", "LlamaConfig"), "Llama31": (f"{_GPT}.llama", "Llama31Config"),
-                 "Qwen2": (f"{_GPT}.qwen2", "Qwen2Config")}
+                 "Qwen2": (f"{_GPT}.qwen2", "Qwen2Config"), "Qwen3": (f"{_GPT}.qwen3", "Qwen3Config"),
+                 "Qwen3MoE": (f"{_GPT}.qwen3", "Qwen3MoEConfig"), "Mixtral": (f"{_GPT}.mixtral", "MixtralConfig")}
 _MODEL_CLASS = {family: key for key, family in MODELS.items()}
 _ROPE_SCALING_FIELDS = {"low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
                         "old_context_len": "original_max_position_embeddings"}
@@ -49,14 +66,22 @@ _ROPE_SCALING_FIELDS = {"low_freq_factor": "low_freq_factor", "high_freq_factor"
 # config.<field> -> the value this project's model computes; any other value is refused. A field
 # missing from model.yaml has NeMo's GPTConfig default, which is this value.
 _MUST_BE = {
-    "num_moe_experts": None, "multi_latent_attention": False, "qk_layernorm": False, "qk_l2_norm": False,
+    "multi_latent_attention": False, "qk_l2_norm": False,
     "rotary_percent": 1.0, "rotary_interleaved": False, "seq_len_interpolation_factor": None,
     "layernorm_zero_centered_gamma": False, "apply_residual_connection_post_layernorm": False,
     "softmax_scale": None, "softmax_type": "vanilla", "attention_output_gate": False, "mrope_section": None,
     "no_rope_freq": None, "mtp_num_layers": None, "heterogeneous_block_specs": False, "is_hybrid_model": False,
     "experimental_attention_variant": None, "apply_query_key_layer_scaling": False, "glu_linear_offset": 0.0,
     "activation_func_clamp_value": None, "use_kitchen": False,
+    # Mixture of experts: a plain softmax top-k router over routed experts only, in every layer.
+    "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1, "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None, "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False, "moe_input_jitter_eps": None, "moe_router_force_load_balancing": False,
+    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs", "moe_apply_probs_on_input": False,
+    "moe_router_topk_limited_devices": None, "moe_latent_size": None, "moe_shared_expert_gate": False,
 }
+# NeMo's load-balancing types -> the model's: the aux-loss coefficient is read only with "aux_loss".
+_BALANCING = ("aux_loss", "none")
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "normalization",
              "layernorm_epsilon", "gated_linear_unit", "position_embedding_type", "rotary_base",
              "share_embeddings_and_output_weights", "seq_length")
@@ -192,12 +217,33 @@ def read_nemo_model_config(ckpt_dir: str | Path, stored_vocab_rows: Optional[int
         add_qkv_bias=bool(get("add_qkv_bias", False)), add_bias_linear=bool(get("add_bias_linear", False)),
         position_embedding_type=pos, rotary_base=rotary_base, rope_scaling=_rope_scaling(c, where),
         tie_embeddings=bool(get("share_embeddings_and_output_weights")),
-        init_method_std=number("init_method_std", float, 0.02))
+        init_method_std=number("init_method_std", float, 0.02), qk_layernorm=bool(get("qk_layernorm", False)),
+        **_moe_fields(get, number, optional_int, where))
     try:
         run_validate(cfg, "model")
     except ConfigError as e:
         raise ConversionError(f"{where} maps to an invalid model config: {e}") from None
     return cfg
+
+
+def _moe_fields(get, number, optional_int, where: str) -> dict:
+    """The ModelConfig MoE fields of a config with ``num_moe_experts`` (none for a dense one).
+    The router's load-balancing and z-loss coefficients are training settings: they are read so
+    that a model written back carries them, and do not change the forward."""
+    experts = optional_int("num_moe_experts")
+    if experts is None:
+        return {}
+    balancing = get("moe_router_load_balancing_type", "aux_loss")
+    if balancing not in _BALANCING:
+        raise ConversionError(f"{where}.moe_router_load_balancing_type is {balancing!r}; supported: "
+                              f"{', '.join(_BALANCING)}")
+    capacity = get("moe_expert_capacity_factor", None)
+    return {"num_moe_experts": experts, "moe_router_topk": number("moe_router_topk", int, 2),
+            "moe_ffn_hidden_size": optional_int("moe_ffn_hidden_size"),
+            "moe_router_pre_softmax": bool(get("moe_router_pre_softmax", False)),
+            "moe_aux_loss_coeff": number("moe_aux_loss_coeff", float, 0.0) if balancing == "aux_loss" else 0.0,
+            "moe_z_loss_coeff": 0.0 if get("moe_z_loss_coeff", None) is None else number("moe_z_loss_coeff", float),
+            "moe_expert_capacity_factor": None if capacity is None else number("moe_expert_capacity_factor", float)}
 
 
 def _rope_scaling(c: dict, where: str) -> Optional[dict]:
@@ -220,19 +266,27 @@ def _rope_scaling(c: dict, where: str) -> Optional[dict]:
 # Writing: ModelConfig -> the NeMo config arguments, model.yaml and io.json
 
 
-def nemo_config_args(cfg: ModelConfig) -> tuple[str, tuple[str, str], dict]:
-    """(family, config class, constructor arguments) that make NeMo build ``cfg``'s model.
+class PyRef(tuple):
+    """A reference to a Python object by (module, name), as a config value (e.g. ``torch.float32``)."""
 
-    Qwen2 when the model has a QKV bias, else Llama (Llama31Config when rope scaling is on).
-    A Mistral model without sliding window is a Llama model, so it is written as one. The
-    fusions keep NeMo's defaults (on; they need Transformer Engine): they change no math."""
+
+def nemo_config_args(cfg: ModelConfig, dtype: str = "fp32") -> tuple[str, tuple[str, str], dict]:
+    """(family, config class, constructor arguments) that make NeMo build ``cfg``'s model, with
+    its parameters in ``dtype`` (the dtype of the weights written).
+
+    Qwen3 (Qwen3Config, or Qwen3MoEConfig with experts) when the model has QK layernorm; else
+    Mixtral when it has experts; else Qwen2 when it has a QKV bias; else Llama (Llama31Config
+    when rope scaling is on). A Mistral model without sliding window is a Llama model, so it is
+    written as one. The fusions (and the MoE configs' grouped GEMM) keep NeMo's defaults (on;
+    they need Transformer Engine): they change no math."""
     if cfg.normalization != "RMSNorm" or not cfg.swiglu or cfg.add_bias_linear or cfg.position_embedding_type != "rope":
-        raise ConversionError("only RMSNorm + SwiGLU + RoPE models without linear biases (Llama, Qwen2, Mistral) "
-                              "are written as NeMo checkpoints")
-    for field in ("num_moe_experts", "qk_layernorm"):
-        if getattr(cfg, field):
-            raise ConversionError(f"{field}={getattr(cfg, field)}: NeMo 2 checkpoints are written for Llama, Qwen2 "
-                                  "and Mistral only (not for Qwen3, Qwen3-MoE or Mixtral yet)")
+        raise ConversionError("only RMSNorm + SwiGLU + RoPE models without linear biases (Llama, Qwen2, Mistral, "
+                              "Qwen3, Qwen3-MoE, Mixtral) are written as NeMo checkpoints")
+    moe = cfg.num_moe_experts is not None
+    if cfg.add_qkv_bias and (moe or cfg.qk_layernorm):
+        field = "num_moe_experts" if moe else "qk_layernorm"
+        raise ConversionError(f"add_qkv_bias with {field}={getattr(cfg, field)}: no NeMo 2 model class has both "
+                              "(Qwen2 has the QKV bias, Qwen3 and Mixtral do not)")
     heads = cfg.num_attention_heads
     args = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "ffn_hidden_size": cfg.ffn_hidden_size or 4 * cfg.hidden_size, "num_attention_heads": heads,
@@ -243,10 +297,23 @@ def nemo_config_args(cfg: ModelConfig) -> tuple[str, tuple[str, str], dict]:
             "add_bias_linear": False, "add_qkv_bias": cfg.add_qkv_bias, "layernorm_epsilon": cfg.norm_epsilon,
             "rotary_base": int(cfg.rotary_base), "share_embeddings_and_output_weights": cfg.tie_embeddings,
             "init_method_std": cfg.init_method_std, "attention_dropout": 0.0, "hidden_dropout": 0.0}
-    family, config_class = ("Qwen2", "Qwen2") if cfg.add_qkv_bias else ("Llama", "Llama")
+    if dtype not in _PRECISION:
+        raise ConversionError(f"dtype {dtype!r}; NeMo configs are written for {', '.join(_PRECISION)}")
+    fp16, bf16, torch_name = _PRECISION[dtype]
+    args.update(fp16=fp16, bf16=bf16, params_dtype=PyRef(("torch", torch_name)))
+    if cfg.qk_layernorm:
+        family, config_class = "Qwen3", "Qwen3MoE" if moe else "Qwen3"
+        args["qk_layernorm"] = True
+    elif moe:
+        family, config_class = "Mixtral", "Mixtral"
+    else:
+        family, config_class = ("Qwen2", "Qwen2") if cfg.add_qkv_bias else ("Llama", "Llama")
+    if moe:
+        args.update(_moe_args(cfg))
     if cfg.rope_scaling:
         if family != "Llama":
-            raise ConversionError("rope scaling is written only for Llama models (NeMo's Llama31Config)")
+            raise ConversionError("rope scaling is written only for Llama models (NeMo's Llama31Config); this "
+                                  f"model is written as {family}")
         config_class = "Llama31"
         args["scale_factor"] = float(cfg.rope_scaling.get("factor", 8.0))
         for field, key in _ROPE_SCALING_FIELDS.items():
@@ -255,15 +322,38 @@ def nemo_config_args(cfg: ModelConfig) -> tuple[str, tuple[str, str], dict]:
     return family, _CONFIG_CLASS[config_class], args
 
 
-def model_yaml(cfg: ModelConfig) -> str:
-    """``context/model.yaml`` as NeMo writes it, with the config fields this model sets."""
+def _moe_args(cfg: ModelConfig) -> dict:
+    """The MoE config fields NeMo builds ``cfg``'s router and experts from; the routing-changing
+    fields NeMo's MoE configs leave at their defaults are written too, so a config class whose
+    defaults differ cannot change the routing."""
+    return {"num_moe_experts": cfg.num_moe_experts, "moe_router_topk": cfg.moe_router_topk,
+            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size,  # None: ffn_hidden_size, in Megatron as here
+            "moe_router_pre_softmax": cfg.moe_router_pre_softmax, "moe_router_score_function": "softmax",
+            "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
+            "moe_router_load_balancing_type": "aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+            "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff, "moe_z_loss_coeff": cfg.moe_z_loss_coeff or None,
+            "moe_expert_capacity_factor": cfg.moe_expert_capacity_factor}
+
+
+def _tokenizer_args(tokenizer: bool) -> Optional[tuple]:
+    """The model's ``tokenizer`` argument: NeMo's AutoTokenizer of ``context/nemo_tokenizer``
+    (as NeMo's own HF importers record it), or None."""
+    return (AUTO_TOKENIZER, {"pretrained_model_name": TOKENIZER_SUBDIR}) if tokenizer else None
+
+
+def model_yaml(cfg: ModelConfig, tokenizer: bool = False, dtype: str = "fp32") -> str:
+    """``context/model.yaml`` as NeMo writes it, with the config fields this model sets; with
+    ``tokenizer``, the model's tokenizer is the AutoTokenizer of ``context/nemo_tokenizer``."""
     import yaml
 
-    family, (module, name), args = nemo_config_args(cfg)
+    family, (module, name), args = nemo_config_args(cfg, dtype)
+    args = {k: {"_call_": False, "_target_": ".".join(v)} if isinstance(v, PyRef) else v for k, v in args.items()}
     model_module, model_name = _MODEL_CLASS[family]
+    tok = _tokenizer_args(tokenizer)
     doc = {"_target_": f"{model_module}.{model_name}",
            "config": {"_target_": f"{module}.{name}", **dict(sorted(args.items()))},
-           "model_transform": None, "optim": None, "tokenizer": None}
+           "model_transform": None, "optim": None,
+           "tokenizer": {"_target_": ".".join(tok[0]), **tok[1]} if tok else None}
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -316,7 +406,9 @@ class _FiddleJson:
         items = []
         for arg, value in arguments.items():
             at = f"{path}.{arg}"
-            if isinstance(value, tuple):
+            if isinstance(value, PyRef):
+                ref = {**self._pyref(*value), "paths": [at]}
+            elif isinstance(value, tuple):
                 ref = self.config(value[0], value[1], at)
             elif isinstance(value, dict) and not value:
                 ref = self._add("dict", self._dict(at))
@@ -335,11 +427,12 @@ class _FiddleJson:
                           indent=2)
 
 
-def io_json(cfg: ModelConfig) -> str:
-    """``context/io.json``: a TrainerContext holding the model (its config, no tokenizer) and the
-    single-device trainer NeMo's own checkpoint importers record."""
-    family, config_class, args = nemo_config_args(cfg)
-    model = (_MODEL_CLASS[family], {"config": (config_class, args), "tokenizer": None})
+def io_json(cfg: ModelConfig, tokenizer: bool = False, dtype: str = "fp32") -> str:
+    """``context/io.json``: a TrainerContext holding the model (its config, and with ``tokenizer``
+    the AutoTokenizer of ``context/nemo_tokenizer``, else none) and the single-device trainer
+    NeMo's own checkpoint importers record."""
+    family, config_class, args = nemo_config_args(cfg, dtype)
+    model = (_MODEL_CLASS[family], {"config": (config_class, args), "tokenizer": _tokenizer_args(tokenizer)})
     strategy = (("nemo.lightning.pytorch.strategies.megatron_strategy", "MegatronStrategy"),
                 {"ckpt_save_optimizer": False})
     trainer = (("nemo.lightning.pytorch.trainer", "Trainer"),
@@ -356,11 +449,26 @@ COMMON_STATE = {"epoch": 0, "global_step": 0,
                 "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
 
 
+def nemo_key(key: str, moe: bool) -> str:
+    """The key under which NeMo's Transformer Engine model stores our model's tensor ``key``
+    (``module.``-prefixed): only an MoE layer's pre-MLP norm differs."""
+    if moe and key.startswith(_MOE_NORM_LOCAL):
+        return _MOE_NORM_TE + key[len(_MOE_NORM_LOCAL):]
+    return key
+
+
+def stored_nemo_key(key: str, stored: dict) -> str:
+    """``key`` of our model's sharded state dict as a NeMo checkpoint ``stored`` holds it: as is
+    (NeMo without Transformer Engine, or a dense layer), else an MoE layer's norm under its TE name."""
+    if key in stored:
+        return key
+    te = nemo_key(key, moe=True)
+    return te if te in stored else key
+
+
 def read_nemo_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, Path]:
     """(ModelConfig, weights directory) of a NeMo 2 checkpoint; the weights are checked to be a
     torch_dist checkpoint holding the embedding, whose rows give a null ``vocab_size``."""
-    from .mcore_format import stored_entries
-
     weights = nemo_weights_dir(ckpt_dir)
     tensors, _ = stored_entries(weights)
     embed = tensors.get(PREFIX + "embedding.word_embeddings.weight")

@@ -158,12 +158,18 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, *, tp: int = 1, pp: int = 
     return the memory estimate (:func:`.verify_memory.memory_need`) without running anything."""
     from .hf_files import HFCheckpoint
     from .mcore_format import DTYPES, output_dtype
+    from .nemo_format import PREFIX, is_nemo2_dir, read_nemo_checkpoint
     from .verify_memory import describe_need, memory_need
 
-    mcore = resolve_checkpoint_dir(mcore_dir)
-    cfg = read_model_config(mcore)
+    if is_nemo2_dir(mcore_dir):  # a NeMo 2 checkpoint: its weights/ behind NeMo's module. prefix
+        mcore = Path(mcore_dir)
+        cfg, weights = read_nemo_checkpoint(mcore)
+        prefix = PREFIX
+    else:
+        mcore = weights = resolve_checkpoint_dir(mcore_dir)
+        cfg, prefix = read_model_config(mcore), ""
     if params_dtype is None:
-        params_dtype = output_dtype(mcore, None)[0]
+        params_dtype = output_dtype(weights, None, prefix)[0]
     elif params_dtype not in DTYPES:
         raise ConversionError(f"--params-dtype must be one of {', '.join(DTYPES)}, got {params_dtype!r}")
     hf_cfg, _ = model_config_from_hf(HFCheckpoint(hf_dir).config)

@@ -84,6 +84,17 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     return _logits(path, tokens)
 
 
+def assert_one_rank_matches_hf(ranks: list[dict], key, hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Exactly one rank of a multi-rank forward returned logits under ``key``, and they equal the HF
+    forward of ``hf_dir`` within 1e-4; returns the HF logits."""
+    ref = hf_logits(hf_dir, tokens)
+    got = [r[key] for r in ranks if r[key] is not None]
+    assert len(got) == 1, "exactly one rank returns logits"
+    assert got[0].shape == ref.shape == (*tokens.shape, VOCAB)
+    torch.testing.assert_close(got[0], ref, atol=1e-4, rtol=0)
+    return ref
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF safetensors directory (one file or an index of shards)."""
     from safetensors.torch import load_file

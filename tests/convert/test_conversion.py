@@ -17,6 +17,7 @@ import torch
 from dpcc_megatron.testing import run_multirank
 
 from .hf_models import VOCAB, build_hf, edit_weights, hf_logits, read_tensors, resave, run_cli, try_loads, vpp_mismatches
+from .nemo_helpers import config_paths
 
 pytestmark = pytest.mark.multirank
 
@@ -199,6 +200,10 @@ def test_a_run_started_from_a_converted_checkpoint_exports_the_source_models_fil
                                                                       "config.json"}
     kept = root / "carried_nemo" / "context" / "nemo_tokenizer"
     assert json.loads((kept / "config.json").read_text()) == original
+    # io.json names it as NeMo's HF importers do, so load_context builds the model with it.
+    assert nemo["tokenizer"] == "context/nemo_tokenizer"
+    assert config_paths(root / "carried_nemo" / "context" / "io.json")["<root>.model.tokenizer"] == \
+        "nemo.collections.common.tokenizers.huggingface.auto_tokenizer.AutoTokenizer"
 
 
 def test_llama3_rope_frequencies_match_hf(work):
