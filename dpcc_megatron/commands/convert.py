@@ -5,7 +5,7 @@ logit parity check.
     dpcc-megatron convert mcore-to-hf --mcore DIR --out DIR [--dtype ...] [--max-shard-size 4GB] [--hf-config F]
         [--tokenizer DIR] [--overwrite]
     dpcc-megatron convert mcore-to-nemo --mcore DIR --out DIR [--dtype ...] [--hf-config F] [--tokenizer DIR] [--overwrite]
-    dpcc-megatron convert verify --hf DIR --mcore DIR [--tp N --pp M --ep E --etp T] [--atol X] [--params-dtype D]
+    dpcc-megatron convert verify --hf DIR --mcore DIR|NEMO_DIR [--tp N --pp M --ep E --etp T] [--atol X] [--params-dtype D]
         [--memory-only]
 
 Conversion runs on CPU (GPUs are hidden from it) and holds about one layer in memory. NeMo 2
@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
     p.add_argument("--hf", required=True, metavar="DIR")
-    p.add_argument("--mcore", required=True, metavar="DIR")
+    p.add_argument("--mcore", required=True, metavar="DIR",
+                   help="a Megatron-Core checkpoint, or a NeMo 2 checkpoint (a directory with context/ and weights/)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
