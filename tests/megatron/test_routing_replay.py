@@ -37,14 +37,10 @@ def _router_noise(chunks, scale, seed):
 def _replay_rank(rank, world):
     import dataclasses
 
-    from megatron.core import parallel_state as ps
-
-    from dpcc_megatron.algo import DPCCController
     from dpcc_megatron.config import JobConfig, OptimizerConfig, TrainConfig
-    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
+    from dpcc_megatron.megatron.optimizer import build_training_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.policy_step import RLBatch, compute_logprobs
-    from dpcc_megatron.train.update import policy_update
 
     cfg = JobConfig(model=tiny_model_config(num_layers=2, num_moe_experts=EXPERTS, moe_router_topk=2,
                                             moe_ffn_hidden_size=32),
@@ -79,14 +75,25 @@ def _replay_rank(rank, world):
     shifted = dataclasses.replace(batch, routing=(batch.routing + 1) % EXPERTS)
     out["shifted_diff"] = float((_lp_of(chunks, shifted) - old).abs().max())
     # Step 0 of the update on the sampler's routing and old log-probs: ratio exactly 1 with replay.
-    batch = dataclasses.replace(batch, routing=sampler.routing, old_logprobs=replayed_lp)
+    out["ratio"] = _step_zero_ratio(chunks, cfg, dataclasses.replace(batch, routing=sampler.routing,
+                                                                      old_logprobs=replayed_lp))
+    return out
+
+
+def _step_zero_ratio(chunks, cfg, batch):
+    """(min, max) of the importance ratio in one policy update of ``batch`` (one rank)."""
+    from megatron.core import parallel_state as ps
+
+    from dpcc_megatron.algo import DPCCController
+    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler
+    from dpcc_megatron.train.update import policy_update
+
     optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
     res = policy_update(chunks, optimizer, build_scheduler(optimizer, cfg.optim, total_steps=2),
                         DPCCController(cfg.loss.dpcc, total_steps=2), batch, cfg, dp_size=1,
                         dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                         vocab_size=VOCAB)
-    out["ratio"] = (res.metrics["ratio_min"], res.metrics["ratio_max"])
-    return out
+    return res.metrics["ratio_min"], res.metrics["ratio_max"]
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +179,14 @@ PROMPTS = [[(5 * i + 3 * j) % 190 + 5 for j in range(n)] for i, n in enumerate((
 def _sampler_replay_rank(rank, world):
     import dataclasses
 
-    from megatron.core import parallel_state as ps
-
-    from dpcc_megatron.algo import DPCCController
     from dpcc_megatron.config import JobConfig, OptimizerConfig, TrainConfig
     from dpcc_megatron.megatron.megatron_engine import MegatronEngine
-    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
+    from dpcc_megatron.megatron.optimizer import build_training_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.policy_step import compute_logprobs
     from dpcc_megatron.megatron.precision import mismatch_stats
     from dpcc_megatron.rollout.engine import Sampling
     from dpcc_megatron.train.rollout import RolloutBatch
-    from dpcc_megatron.train.update import policy_update
 
     cfg = JobConfig(model=tiny_model_config(num_layers=2, num_moe_experts=EXPERTS, moe_router_topk=2,
                                             moe_ffn_hidden_size=32, init_method_std=0.1),
@@ -223,13 +226,7 @@ def _sampler_replay_rank(rank, world):
     old_on, on_batch, out["mismatch_on"] = mismatch(batch, True)
     out["routing_kept"] = on_batch.routing is batch.routing
     # Step 0 of the update: the old log-probs and the update's forward use the sampler's experts.
-    optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
-    res = policy_update(chunks, optimizer, build_scheduler(optimizer, cfg.optim, total_steps=2),
-                        DPCCController(cfg.loss.dpcc, total_steps=2),
-                        dataclasses.replace(on_batch, old_logprobs=old_on), cfg, dp_size=1,
-                        dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-                        vocab_size=VOCAB)
-    out["ratio"] = (res.metrics["ratio_min"], res.metrics["ratio_max"])
+    out["ratio"] = _step_zero_ratio(chunks, cfg, dataclasses.replace(on_batch, old_logprobs=old_on))
     return out
 
 
