@@ -56,7 +56,7 @@ def _gather_tp(t: torch.Tensor, param, name: str, gated: bool, tp_group, everywh
             meter.release(held)
         return None
     dim = param.partition_dim
-    if gated and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
+    if gated and (name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")):  # also an expert's
         halves = [torch.chunk(p, 2, dim=dim) for p in parts]
         out = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     else:

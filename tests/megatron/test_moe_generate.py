@@ -42,12 +42,17 @@ def load_moe_state(chunks, state: dict) -> None:
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()
+    etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     for c in chunks:
         local = c.config.num_moe_experts // c.config.expert_model_parallel_size
         for name, p in c.named_parameters():
             m = _EXPERT.match(name)
-            if m:  # whole on this rank (expert TP 1), under its global index
+            if m:  # under its global index; split over the expert TP group (fc1: gate and up halves each)
                 value = state[f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"]
+                if etp > 1:
+                    dim = p.partition_dim
+                    halves = torch.chunk(value, 2, dim=dim) if name.endswith("linear_fc1.weight") else (value,)
+                    value = torch.cat([torch.chunk(h, etp, dim=dim)[etp_rank] for h in halves], dim=dim)
             else:
                 value = _tp_slice(state[name], p, name, c, tp_rank, tp)
             with torch.no_grad():

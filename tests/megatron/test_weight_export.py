@@ -62,7 +62,7 @@ MOE = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_si
            vocab_size=256)
 
 
-def _moe_stream_rank(rank, world, tp, ep, state):
+def _moe_stream_rank(rank, world, tp, ep, state, etp=None):
     """Every bucket of the HF weight stream, as this rank holds it once the stream yields it."""
     from megatron.core import parallel_state as ps
 
@@ -74,7 +74,7 @@ def _moe_stream_rank(rank, world, tp, ep, state):
     from tests.megatron.test_moe_generate import load_moe_state
 
     par = parallel_config(tp, 1, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
-                          expert_tensor_parallel_size=1 if tp > 1 else None,
+                          expert_tensor_parallel_size=etp or (1 if tp > 1 else None),
                           moe_token_dispatcher_type="alltoall" if tp == 1 else "allgather")
     init_model_parallel(par, seed=3)
     torch.manual_seed(3)
@@ -94,15 +94,15 @@ def _moe_stream_rank(rank, world, tp, ep, state):
     return out
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["ep2", "tp2ep2"])
-def test_moe_stream_gathers_every_expert_from_its_rank(tp, ep):
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, None), (2, 2, None), (2, 1, 2)], ids=["ep2", "tp2ep2", "tp2etp2"])
+def test_moe_stream_gathers_every_expert_from_its_rank(tp, ep, etp):
     (ref,) = run_multirank(_moe_stream_rank, 1, args=(1, 1, None), timeout=240)
     experts = [n for b in ref["entries"] for n, *_ in b if ".experts." in n]
     assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down), HF per-expert names
     for b in ref["entries"]:  # a layer's experts (vLLM's fused MoE module) never span two buckets
         layers = {n.split(".")[2] for n, *_ in b if ".experts." in n}
         assert all(sum(f"layers.{i}.mlp.experts.{e}." in n for n, *_ in b for e in range(4)) == 12 for i in layers)
-    results = run_multirank(_moe_stream_rank, 2, args=(tp, ep, ref["state"]), timeout=240)
+    results = run_multirank(_moe_stream_rank, 2, args=(tp, ep, ref["state"], etp), timeout=240)
     for res in results:  # every rank holds every expert, whichever rank trains it
         assert res["entries"] == ref["entries"]
         for got, want in zip(res["buckets"], ref["buckets"]):
