@@ -52,3 +52,13 @@ def test_refit_buckets_name_their_experts_modules():
              "model.layers.1.self_attn.q_proj.weight"]
     assert expert_modules(names) == {"model.layers.0.mlp.experts", "model.layers.2.block_sparse_moe.experts"}
     assert expert_modules(["model.norm.weight"]) == set()
+
+
+def test_vllm_workers_must_split_the_experts_evenly():
+    from dpcc_megatron.config import ConfigError, load_config
+
+    moe = ["model.num_moe_experts=4", "rollout.engine=vllm", "parallel.pipeline_model_parallel_size=2",
+           "rollout.vllm.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size.*moe_ffn_hidden_size \(25"):
+        load_config(None, [*moe, "model.moe_ffn_hidden_size=25"])
+    assert load_config(None, [*moe, "model.moe_ffn_hidden_size=24"]).rollout.vllm.tensor_parallel_size == 2
