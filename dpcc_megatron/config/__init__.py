@@ -102,6 +102,9 @@ def _vllm_layout_problem(cfg: "JobConfig") -> Optional[str]:
     if heads % w or (groups % w and w % groups):
         return (f"must divide model.num_attention_heads ({heads}) and divide or be a multiple of "
                 f"model.num_query_groups ({groups}; vLLM replicates K/V heads beyond it), got {w}")
+    width = cfg.model.moe_ffn_hidden_size or cfg.model.ffn_hidden_size
+    if cfg.model.num_moe_experts is not None and width and width % w:
+        return f"must divide model.moe_ffn_hidden_size ({width}; vLLM splits every expert over its workers), got {w}"
     return None
 
 

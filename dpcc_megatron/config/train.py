@@ -176,10 +176,11 @@ class RolloutConfig:
     batch_size: int = 64
     """Sequences generated together per forward (KV cache batch)."""
     routing_replay: bool = False
-    """Mixture of experts: record the experts each token is routed to when the old log-probs are
-    computed and force them in the update's forwards, so the ratio compares the same experts
-    (routing replay; the router's scores, hence gate weights and router gradients, stay live).
-    The sampler's own routing is not replayed yet."""
+    """Mixture of experts: force the experts each token was routed to when it was sampled (the Megatron
+    engine records them per decode step) in the old-log-prob pass and the update's forwards, so the ratio
+    and the sampler/trainer mismatch compare the same experts (routing replay; the router's scores, hence
+    gate weights and router gradients, stay live). With rollout.engine: vllm, which exposes no routing on
+    CPU, the routing is recorded in the old-log-prob pass and replayed in the update."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rule-track rewards are all equal and sample more
     prompts until the batch holds prompts_per_iteration informative groups (train/sampling.py)."""

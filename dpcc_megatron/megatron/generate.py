@@ -26,6 +26,13 @@ generator on the model's device (:func:`rollout_generator`; a CPU one works, but
 * **Pipeline.** One step runs the stages in turn: each non-first stage receives the hidden states
   ``[s, b, h]`` from the previous stage, runs its chunk, and sends to the next (ring order, so
   interleaved chunks work too). Stages idle while others compute: generation is not pipelined.
+* **Mixture of experts.** A MoE layer's token dispatcher is collective over the expert group
+  (expert TP x EP). Where that group reaches beyond this model-parallel group (EP carved from
+  data-parallel replicas, which generate different prompts), the replicas run their forwards in
+  lock-step (:class:`_ExpertPeers`): before each forward the group agrees whether anyone still
+  decodes, and a replica that finished runs one-token dummy forwards until all have. With
+  ``record_routing`` the experts every fed token was routed to are recorded
+  (``Rollout.routing``), one column per decode step: the sampler's routing, for routing replay.
 * **Sequence parallelism** is switched off for the duration (Megatron's static batching does not
   support it; the weights are the same) and restored afterwards: the config flag and the flag the
   column/row-parallel linears cache (tested on real modules at TP2 x PP2 x VPP2 with SP).
@@ -85,11 +92,63 @@ def _generation_mode(chunks: Sequence[torch.nn.Module]):
             cfg.sequence_parallel = saved_config_sp[k]
 
 
+class _ExpertPeers:
+    """Keeps the forwards of replicas whose MoE layers exchange tokens in lock-step: every forward of
+    every rank of ``group`` is preceded by one agreement (:meth:`step`), and a rank done decoding runs
+    dummy forwards (:meth:`drain`) while any peer still decodes."""
+
+    def __init__(self, group):
+        self.group = group
+        self.flag = torch.zeros(1, dtype=torch.int32,
+                                device="cuda" if torch.cuda.is_available() else "cpu")
+
+    @staticmethod
+    def of(chunks, mp_group) -> Optional["_ExpertPeers"]:
+        """The lock-step over the expert group, where it reaches beyond ``mp_group`` (None: not needed)."""
+        if getattr(chunks[0].config, "num_moe_experts", None) is None or not dist.is_initialized():
+            return None
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_expert_tensor_and_model_parallel_group()
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        mine = set(dist.get_process_group_ranks(mp_group)) if mp_group is not None else {dist.get_rank()}
+        if set(dist.get_process_group_ranks(group)) <= mine:
+            return None  # the whole expert group decodes the same prompts in step already
+        return _ExpertPeers(group)
+
+    def _any(self, active: bool) -> bool:
+        self.flag.fill_(1 if active else 0)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self.flag.item())
+
+    def step(self) -> None:
+        self._any(True)
+
+    def drain(self, dummy_forward) -> int:
+        """Dummy forwards until no peer decodes; returns how many ran."""
+        n = 0
+        while self._any(False):
+            dummy_forward()
+            n += 1
+        return n
+
+
 class _Stepper:
     """Runs this rank's chunks for one decode step; see the module docstring."""
 
-    def __init__(self, chunks, *, batch: int, width: int, vocab_size: int, pp_group, use_kv_cache: bool):
+    def __init__(self, chunks, *, batch: int, width: int, vocab_size: int, pp_group, use_kv_cache: bool,
+                 peers: Optional[_ExpertPeers] = None, record_routing: bool = False):
         self.chunks = chunks
+        self.peers = peers
+        self.routing = None
+        if record_routing:
+            from . import routing_replay
+
+            layers = sum(len(routing_replay.routers(c)) for c in chunks)
+            k = chunks[0].config.moe_router_topk
+            self.routing = torch.zeros((batch, width, layers, k), dtype=torch.int16)
+            self.row_of_cache = torch.arange(batch)  # cache row -> batch row
         self.vocab_size = vocab_size
         self.contexts = [None] * len(chunks)
         if use_kv_cache:
@@ -113,14 +172,16 @@ class _Stepper:
         tokens = prefix[:, first:]
         b, s = tokens.shape
         positions = torch.arange(first, first + s, device=tokens.device).unsqueeze(0).expand(b, s)
-        logits, sends = None, []
+        if self.peers is not None:
+            self.peers.step()
+        logits, sends, recorded = None, [], []
         for chunk, ctx in zip(self.chunks, self.contexts):
             hidden_in = None
             if not chunk.pre_process:
                 hidden_in = torch.empty((s, b, self.hidden_size), dtype=self.dtype, device=tokens.device)
                 dist.recv(hidden_in, src=self.prev, group=self.pp_group)
             chunk.set_input_tensor(hidden_in)
-            out = chunk(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
+            out = self._run(chunk, tokens, positions, ctx, recorded)
             if ctx is not None:
                 ctx.sequence_len_offset += s
                 ctx.enable_decode_mode()
@@ -131,9 +192,31 @@ class _Stepper:
                 sends.append((dist.isend(out, dst=self.next, group=self.pp_group), out))
         for request, _ in sends:
             request.wait()
+        if self.routing is not None and recorded:
+            rows = self.row_of_cache[:b]
+            self.routing[rows, first:first + s] = torch.cat(recorded, dim=2)
         return logits
 
+    def _run(self, chunk, tokens, positions, ctx, recorded: list):
+        if self.routing is None:
+            return chunk(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
+        from . import routing_replay
+
+        routing_replay.start_recording(chunk)
+        try:
+            out = chunk(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
+            if routing_replay.routers(chunk):
+                recorded.append(routing_replay.collect(chunk, tokens.shape[0]))  # [b, s, layers, k]
+        finally:
+            routing_replay.stop(chunk)
+        return out
+
+    def recorded_routing(self) -> Optional[torch.Tensor]:
+        return self.routing
+
     def reorder(self, order: torch.Tensor) -> None:
+        if self.routing is not None:
+            self.row_of_cache = self.row_of_cache[order.cpu()]
         for ctx in self.contexts:
             if ctx is None or not ctx.key_value_memory_dict:
                 continue
@@ -181,7 +264,8 @@ def rollout_generator(model_chunks, seed: int) -> torch.Generator:
 def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: StopIds,
              pad_id: int, vocab_size: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              generator: Optional[torch.Generator] = None, tp_group=None, pp_group=None,
-             batch_size: Optional[int] = None, use_kv_cache: bool = True) -> Rollout:
+             batch_size: Optional[int] = None, use_kv_cache: bool = True, record_routing: bool = False,
+             mp_group=None) -> Rollout:
     """Generate one response per prompt with this rank's model chunks (repeat a prompt G times for a group).
 
     ``model_chunks``: a ``GPTModel`` or this rank's list of chunks (VPP), possibly wrapped in DDP.
@@ -191,6 +275,10 @@ def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     may live on any device. ``tp_group`` / ``pp_group``: this rank's groups (None: not split).
     ``batch_size``: sequences per KV-cache batch (None: all). ``use_kv_cache=False`` recomputes
     the whole prefix each step (a reference for tests). Leaves the chunks in their previous mode.
+    ``record_routing`` (mixture of experts): ``Rollout.routing`` holds the experts each fed token was
+    routed to (this rank's MoE layers). ``mp_group``: this rank's model-parallel group (a MoE model whose
+    expert group reaches beyond it decodes in lock-step with the other replicas; None: TP x PP from
+    Megatron's state where the model has experts).
     """
     chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
@@ -203,12 +291,36 @@ def generate(model_chunks, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise ValueError(f"vocab_size {vocab_size} exceeds the model's padded vocabulary {padded}")
     device = next(chunks[0].parameters()).device
 
+    if record_routing and getattr(chunks[0].config, "num_moe_experts", None) is None:
+        raise ValueError("record_routing needs a mixture-of-experts model")
+    if mp_group is None and getattr(chunks[0].config, "num_moe_experts", None) is not None and dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        mp_group = ps.get_model_parallel_group()
+    peers = _ExpertPeers.of(chunks, mp_group)
+
     def new_stepper(batch: int, width: int) -> _Stepper:
         return _Stepper(chunks, batch=batch, width=width, vocab_size=vocab_size, pp_group=pp_group,
-                        use_kv_cache=use_kv_cache)
+                        use_kv_cache=use_kv_cache, peers=peers, record_routing=record_routing)
 
     channel = _Channel(bool(chunks[-1].post_process), tp_group, pp_group)
     with _generation_mode(chunks):
-        return decode(new_stepper, channel, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                      vocab_size=vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
-                      batch_size=batch_size, device=device)
+        try:
+            out = decode(new_stepper, channel, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                         pad_id=pad_id, vocab_size=vocab_size, temperature=temperature, top_p=top_p, top_k=top_k,
+                         generator=generator, batch_size=batch_size, device=device)
+        except Exception:
+            if peers is not None:  # peers still decoding are not left waiting; this error is the one raised
+                with contextlib.suppress(Exception):
+                    _drain(peers, chunks, vocab_size, pp_group, device)
+            raise
+        if peers is not None:
+            _drain(peers, chunks, vocab_size, pp_group, device)
+        return out
+
+
+def _drain(peers: _ExpertPeers, chunks, vocab_size: int, pp_group, device) -> int:
+    """One-token dummy forwards (no KV cache) while an expert peer still decodes."""
+    idle = _Stepper(chunks, batch=1, width=1, vocab_size=vocab_size, pp_group=pp_group, use_kv_cache=False)
+    dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+    return peers.drain(lambda: idle.forward(dummy, 0))

@@ -18,8 +18,10 @@ class MegatronEngine(RefitByVersion):
     last_refit_s = 0.0  # nothing to copy: it decodes with the training weights
 
     def __init__(self, chunks, *, vocab_size: int, pad_id: int, tp_group=None, pp_group=None,
-                 batch_size: Optional[int] = None):
+                 batch_size: Optional[int] = None, record_routing: bool = False):
         self.chunks = chunks
+        self.record_routing = record_routing
+        """Mixture of experts (``rollout.routing_replay``): each Generation carries the sampler's routing."""
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.tp_group = tp_group
@@ -36,14 +38,18 @@ class MegatronEngine(RefitByVersion):
                        temperature=0.0 if greedy else sampling.temperature,
                        top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
                        generator=rollout_generator(self.chunks, sampling.seed), tp_group=self.tp_group,
-                       pp_group=self.pp_group, vocab_size=self.vocab_size, batch_size=self.batch_size)
+                       pp_group=self.pp_group, vocab_size=self.vocab_size, batch_size=self.batch_size,
+                       record_routing=self.record_routing)
         responses, logprobs, finished = [], [], []
+        routing = [] if out.routing is not None else None
         for i in range(len(prompt_ids)):
             m = out.response_mask[i].bool()
             responses.append(out.tokens[i][m].tolist())
             logprobs.append(out.policy_logprobs[i][m].detach().float().cpu())
             finished.append(bool(out.stopped_by_eos[i]))
-        return Generation(responses, logprobs, finished)
+            if routing is not None:  # input positions 0 .. prompt + response - 2
+                routing.append(out.routing[i, :int(out.prompt_lens[i] + out.response_lens[i]) - 1].clone())
+        return Generation(responses, logprobs, finished, routing)
 
     def update_weights(self, chunks) -> None:
         if chunks is not self.chunks:

@@ -227,9 +227,10 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
     """Forward-only log-probs and entropies of ``batch`` (last pipeline stage; None elsewhere).
 
     The chunks run in eval mode and go back to train mode after, unless ``train_mode_after``
-    is False (a frozen reference model). ``record_routing`` (MoE, routing replay): the experts
-    every token was routed to are stored in ``batch.routing`` (on every rank, for its own layers),
-    so a later forward of ``batch`` replays them."""
+    is False (a frozen reference model). ``record_routing`` (MoE, routing replay): a batch that carries
+    the sampler's ``routing`` is forwarded with it; otherwise the experts every token was routed to are
+    stored in ``batch.routing`` (on every rank, for its own layers). Either way a later forward of
+    ``batch`` replays them."""
     from megatron.core import parallel_state as ps
 
     def collect(logprobs, entropy, mb):
@@ -238,10 +239,14 @@ def compute_logprobs(chunks, batch: RLBatch, *, micro_batch_size: int, vocab_siz
 
     for c in chunks:
         c.eval()
+    # The sampler's routing, where the batch carries it (the Megatron engine records it), is replayed;
+    # otherwise these log-probs define the routing. Without record_routing (a reference model) it routes freely.
+    replay = record_routing and batch.routing is not None
+    record_routing = record_routing and not replay
     recorded: Optional[list] = [] if record_routing else None
     with torch.no_grad():
-        # Routes freely: old log-probs define the routing, and a reference model has its own.
-        parts, order = micro_batches(dataclasses.replace(batch, routing=None), micro_batch_size, max_tokens)
+        parts, order = micro_batches(batch if replay else dataclasses.replace(batch, routing=None),
+                                     micro_batch_size, max_tokens)
         if record_routing and order is not None:
             raise ValueError("routing replay records with fixed-size micro-batches; set "
                              "train.max_tokens_per_micro_batch: 0")

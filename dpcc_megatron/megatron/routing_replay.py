@@ -108,4 +108,17 @@ def pad_routing(routing: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([routing, filler], dim=1)
 
 
-__all__ = ["collect", "pad_routing", "routers", "start_recording", "start_replay", "stop"]
+def routing_matrix(rows: list, targets: int) -> torch.Tensor:
+    """[N, targets, L, k] from per-sample routing of their input positions (``Generation.routing``: [n_i, L,
+    k] each); the positions past a sample's end are routed to experts 0..k-1, as :func:`pad_routing`."""
+    layers, k = rows[0].shape[1:]
+    out = torch.arange(k, dtype=torch.int16).expand(len(rows), targets, layers, k).clone()
+    for i, r in enumerate(rows):
+        if r.shape[1:] != (layers, k) or r.shape[0] > targets:
+            raise ValueError(f"routing of sample {i} is {tuple(r.shape)}, expected at most {targets} positions "
+                             f"of {layers} MoE layers x top-{k}")
+        out[i, :r.shape[0]] = r.to(torch.int16)
+    return out
+
+
+__all__ = ["collect", "pad_routing", "routers", "routing_matrix", "start_recording", "start_replay", "stop"]

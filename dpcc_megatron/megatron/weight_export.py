@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Optional
 
 import torch
@@ -55,7 +56,7 @@ def _gather_tp(t: torch.Tensor, param, name: str, gated: bool, tp_group, everywh
             meter.release(held)
         return None
     dim = param.partition_dim
-    if gated and (name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")):
+    if gated and (name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")):  # also an expert's
         halves = [torch.chunk(p, 2, dim=dim) for p in parts]
         out = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     else:
@@ -69,6 +70,8 @@ def gather_canonical(chunks, tp_group=None, pp_group=None) -> Optional[dict[str,
     """The canonical (TP=1/PP=1, global layer index, padded vocabulary) state dict on the first stage's
     TP rank 0; None on every other rank."""
     tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
+    if any(_unwrap(c).config.expert_model_parallel_size > 1 for c in chunks):
+        raise ValueError("gather_canonical does not gather experts over expert parallelism; use HFWeightStream")
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
@@ -147,28 +150,33 @@ def plan_buckets(model_cfg: ModelConfig, vocab_size: int, dtype: torch.dtype, un
             out.append(Bucket(len(out), stage, tuple(cur), off))
         cur, off = [], 0
 
+    groups: dict = {}  # tensors of one module (q/k/v, gate/up, a layer's experts) go into one bucket together
     for unit in units(served):
-        s = unit_stage[unit]
-        groups: dict = {}  # tensors of one module (q/k/v, gate/up) go into one bucket together
         for name, shape in hf_shapes(served, unit).items():
-            groups.setdefault(module_of(name), []).append((name, tuple(shape)))
-        for group in groups.values():
-            sizes = [size * math.prod(shape) for _, shape in group]
-            need = sum(-(-nb // _ALIGN) * _ALIGN for nb in sizes)
-            if cur and (s != stage or off + need > bucket_bytes):
-                flush()
-            stage = s
-            for (name, shape), nb in zip(group, sizes):
-                cur.append((name, shape, off, nb))
-                off += -(-nb // _ALIGN) * _ALIGN
+            groups.setdefault((unit_stage[unit], module_of(name)), []).append((name, tuple(shape)))
+    for (s, _), group in groups.items():
+        sizes = [size * math.prod(shape) for _, shape in group]
+        need = sum(-(-nb // _ALIGN) * _ALIGN for nb in sizes)
+        if cur and (s != stage or off + need > bucket_bytes):
+            flush()
+        stage = s
+        for (name, shape), nb in zip(group, sizes):
+            cur.append((name, shape, off, nb))
+            off += -(-nb // _ALIGN) * _ALIGN
     flush()
     return out
 
 
+_HF_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.)experts\.(\d+)\.[a-z0-9_]+(?:\.weight)?$")
+
+
 def module_of(hf_name: str) -> str:
-    """The serving module an HF tensor loads into: vLLM fuses q/k/v into one module and gate/up into one,
-    and processes a module once all its tensors arrived."""
+    """The serving module an HF tensor loads into: vLLM fuses q/k/v into one module, gate/up into one and a
+    MoE layer's experts into one, and processes a module once all its tensors arrived."""
     base = hf_name.rsplit(".", 1)[0]
+    m = _HF_EXPERT.match(base)
+    if m:  # vLLM's FusedMoE: every expert of a layer is one module (w13 / w2 stacked over experts)
+        return m.group(1) + "experts"
     for fused, parts in ((".self_attn.qkv", (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj")),
                          (".mlp.gate_up", (".mlp.gate_proj", ".mlp.up_proj"))):
         for part in parts:
@@ -185,7 +193,9 @@ def owned_units(chunks) -> list:
         offset = _layer_offset(chunk)
         if getattr(chunk, "pre_process", False):
             out.append("embedding")
-        out.extend(range(offset, offset + len(chunk.decoder.layers)))
+        experts = chunk.config.num_moe_experts or 0  # a layer's experts live on its stage (some on each EP rank)
+        for i in range(offset, offset + len(chunk.decoder.layers)):
+            out.extend((i, *((i, e) for e in range(experts))))
         if getattr(chunk, "post_process", False):
             out.append("final")
     return out
@@ -250,8 +260,12 @@ class HFWeightStream:
     Collective over the TP and PP groups; every rank iterates the same buckets."""
 
     def __init__(self, model_cfg: ModelConfig, *, vocab_size: int, dtype: torch.dtype, bucket_bytes: int,
-                 tp_group=None, pp_group=None):
+                 tp_group=None, pp_group=None, ep_group=None, etp_group=None):
         self.model_cfg = model_cfg
+        self.ep_group, self.etp_group = ep_group, etp_group
+        """Mixture of experts: the expert-parallel group (each rank holds its experts; every rank of it gets
+        them all) and the expert tensor-parallel group (an expert's shards); None: Megatron's, for a model
+        with experts."""
         self.served = dataclasses.replace(model_cfg, vocab_size=vocab_size)
         self.vocab_size = vocab_size
         self.dtype = dtype
@@ -263,6 +277,7 @@ class HFWeightStream:
     def plan(self, chunks) -> list[Bucket]:
         """The buckets (collective over ``pp_group`` the first time: which stage owns which unit)."""
         if self._plan is None:
+            self._expert_groups()
             mine = owned_units(chunks)
             if _size(self.pp_group) > 1:
                 box = [None] * dist.get_world_size(self.pp_group)
@@ -276,9 +291,24 @@ class HFWeightStream:
     def max_bucket_bytes(self, chunks) -> int:
         return max(b.nbytes for b in self.plan(chunks))
 
+    def _expert_groups(self) -> None:
+        if self.model_cfg.num_moe_experts is None or not dist.is_initialized():
+            return
+        from megatron.core import parallel_state as ps
+
+        if self.ep_group is None:
+            self.ep_group = ps.get_expert_model_parallel_group()
+        if self.etp_group is None:
+            self.etp_group = ps.get_expert_tensor_parallel_group()
+
+    def _local_experts(self) -> int:
+        return self.model_cfg.num_moe_experts // _size(self.ep_group)
+
     def _params_of(self, chunks) -> dict:
-        """unit -> [(local name, canonical name, param)] of this rank's chunks."""
+        """unit -> [(local name, canonical name, param)] of this rank's chunks (experts under their global
+        index: expert-parallel rank r holds experts r * local .. r * local + local - 1)."""
         out: dict = {}
+        ep_rank = dist.get_rank(self.ep_group) if _size(self.ep_group) > 1 else 0
         for chunk in chunks:
             chunk = _unwrap(chunk)
             offset = _layer_offset(chunk)
@@ -287,6 +317,9 @@ class HFWeightStream:
                 key = local_to_global_name(name, offset)
                 if key == "output_layer.weight" and tied:
                     continue
+                m = _LOCAL_EXPERT.match(key)
+                if m:
+                    key = f"{m.group(1)}{ep_rank * self._local_experts() + int(m.group(2))}{m.group(3)}"
                 can = canonical_name(key)
                 out.setdefault(unit_of(can), []).append((name, can, param, bool(chunk.config.gated_linear_unit)))
         return out
@@ -297,7 +330,8 @@ class HFWeightStream:
         own = {p.untyped_storage().data_ptr() for _, _, p, _ in params}
         can = {}
         for name, cname, param, gated in params:
-            can[cname] = _gather_tp(param.detach(), param, name, gated, self.tp_group, everywhere=True,
+            group = self.etp_group if _LOCAL_EXPERT.match(name) else self.tp_group  # an expert's own TP
+            can[cname] = _gather_tp(param.detach(), param, name, gated, group, everywhere=True,
                                     meter=self.meter).cpu()
             self.meter.set("unit", _storage_bytes(can.values(), own))
         hf = {n: t.to(self.dtype) for n, t in canonical_to_hf(self.served, unit, can).items()}
@@ -318,11 +352,15 @@ class HFWeightStream:
             if bucket.stage == pp_rank:
                 for name, shape, off, nb in bucket.entries:
                     u = unit_of_hf(name)
+                    if isinstance(u, tuple) and u not in params:
+                        continue  # another expert-parallel rank's expert: broadcast from it below
                     if u != unit:
                         unit, hf = u, None
                         self.meter.set("unit", 0)
                         hf = self._unit_hf(u, params.get(u, []))
                     buf[off:off + nb].view(self.dtype).view(shape).copy_(hf[name])
+                for owner, lo, hi in expert_runs(bucket, self._local_experts() if _size(self.ep_group) > 1 else 0):
+                    dist.broadcast(buf[lo:hi], src=dist.get_global_rank(self.ep_group, owner), group=self.ep_group)
             if _size(self.pp_group) > 1:
                 dist.broadcast(buf[:bucket.nbytes], src=dist.get_global_rank(self.pp_group, bucket.stage),
                                group=self.pp_group)
@@ -331,8 +369,32 @@ class HFWeightStream:
         self.meter.set("unit", 0)
 
 
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def expert_runs(bucket: Bucket, local_experts: int) -> list[tuple[int, int, int]]:
+    """(expert-parallel owner, first byte, end byte) of each run of consecutive expert tensors in ``bucket``
+    held by one expert-parallel rank (expert e lives on rank e // ``local_experts``); [] when 0 (no EP)."""
+    runs: list = []
+    if not local_experts:
+        return runs
+    previous = None  # the owner of the previous entry (None: not an expert's)
+    for name, _, off, nb in bucket.entries:
+        u = unit_of_hf(name)
+        owner = u[1] // local_experts if isinstance(u, tuple) else None
+        if owner is not None and owner == previous:
+            runs[-1][2] = off + nb  # (with the alignment padding before it)
+        elif owner is not None:
+            runs.append([owner, off, off + nb])
+        previous = owner
+    return [tuple(r) for r in runs]
+
+
 def unit_of_hf(hf_name: str):
     """The conversion unit an HF tensor name belongs to."""
+    m = _HF_EXPERT.match(hf_name)
+    if m:
+        return int(m.group(2)), int(m.group(3))
     if hf_name.startswith("model.layers."):
         return int(hf_name.split(".")[2])
     if hf_name == "model.embed_tokens.weight":

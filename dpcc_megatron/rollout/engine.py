@@ -67,6 +67,10 @@ class Generation:
     (fp32, unfiltered), so the trainer's recomputation differs only by sampler/trainer mismatch."""
     finished: list[bool] = field(default_factory=list)
     """True when the response ended with a stop token, False when it hit max_new_tokens."""
+    routing: Optional[list[torch.Tensor]] = None
+    """Mixture of experts, where the engine records it (routing replay): per response, [prompt + response
+    length - 1, this rank's MoE layers, top-k] int16, the experts the token at each input position was
+    routed to when it was sampled (the last token is never an input). None: not recorded."""
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -76,6 +80,8 @@ class Generation:
         for i, (r, lp) in enumerate(zip(self.responses, self.logprobs)):
             if len(r) != len(lp):
                 raise ValueError(f"Generation: response {i} has {len(r)} tokens but {len(lp)} log-probs")
+        if self.routing is not None and len(self.routing) != n:
+            raise ValueError(f"Generation: {n} responses but {len(self.routing)} routing rows")
 
 
 class RefitByVersion:

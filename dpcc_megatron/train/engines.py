@@ -20,7 +20,8 @@ def build_rollout_engine(ctx):
         from ..megatron.megatron_engine import MegatronEngine
 
         return MegatronEngine(ctx.chunks, vocab_size=ctx.vocab_size, pad_id=ctx.tokenizer.pad_id,
-                              tp_group=ctx.tp_group, pp_group=ctx.pp_group, batch_size=cfg.rollout.batch_size)
+                              tp_group=ctx.tp_group, pp_group=ctx.pp_group, batch_size=cfg.rollout.batch_size,
+                              record_routing=cfg.rollout.routing_replay)  # MoE: the sampler's routing, replayed
     if cfg.rollout.engine == "vllm":
         v = cfg.rollout.vllm
         return build_vllm_engine(ctx.chunks, cfg.model, cfg.precision.params_dtype, vocab_size=ctx.vocab_size,

@@ -41,24 +41,31 @@ class RolloutBatch:
     finished: list[bool]
     """Stopped at a stop id (False: hit max_new_tokens)."""
     pad_id: int
+    routing: Optional[list] = None
+    """Mixture of experts with routing replay: per sample, the sampler's routing (Generation.routing)."""
 
     def to_batch(self, advantages: torch.Tensor) -> RLBatch:
+        from ..megatron.routing_replay import routing_matrix
+
         tokens, mask = pack_sequences(self.prompt_ids, self.response_ids, self.pad_id)
         return RLBatch(tokens=tokens, mask=mask, advantages=advantages.float(),
-                       sampler_logprobs=self.sampler_logprob_matrix(mask))
+                       sampler_logprobs=self.sampler_logprob_matrix(mask),
+                       routing=None if self.routing is None else routing_matrix(self.routing, mask.shape[1]))
 
     def select_groups(self, groups: list[int], group_size: int) -> "RolloutBatch":
         """The samples of the given groups (G consecutive samples each), in that order."""
         idx = [g * group_size + j for g in groups for j in range(group_size)]
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return RolloutBatch(pick(self.prompts), pick(self.prompt_ids), pick(self.response_ids), pick(self.texts),
-                            pick(self.sampler_logprobs), pick(self.finished), self.pad_id)
+                            pick(self.sampler_logprobs), pick(self.finished), self.pad_id,
+                            None if self.routing is None else pick(self.routing))
 
     @staticmethod
     def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
         return RolloutBatch(*(sum((getattr(p, name) for p in parts), []) for name in
                               ("prompts", "prompt_ids", "response_ids", "texts", "sampler_logprobs", "finished")),
-                            parts[0].pad_id)
+                            parts[0].pad_id, None if any(p.routing is None for p in parts)
+                            else sum((p.routing for p in parts), []))
 
     def sampler_logprob_matrix(self, mask: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(mask.shape, dtype=torch.float32)
@@ -130,8 +137,9 @@ def finish_rollouts(ctx, request: RolloutRequest, generation) -> "RolloutBatch":
     """The engine's :class:`~dpcc_megatron.rollout.engine.Generation` of ``request`` as a batch."""
     responses, logprobs, finished = _unpack(generation, len(request.prompt_ids))
     texts = [ctx.tokenizer.decode(r) for r in responses]
+    routing = None if generation.routing is None else generation.routing[:len(request.prompt_ids)]
     return RolloutBatch(request.prompts, request.prompt_ids, responses, texts, logprobs, finished,
-                        ctx.tokenizer.pad_id)
+                        ctx.tokenizer.pad_id, routing)
 
 
 def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:

@@ -37,14 +37,10 @@ def _router_noise(chunks, scale, seed):
 def _replay_rank(rank, world):
     import dataclasses
 
-    from megatron.core import parallel_state as ps
-
-    from dpcc_megatron.algo import DPCCController
     from dpcc_megatron.config import JobConfig, OptimizerConfig, TrainConfig
-    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler, build_training_model
+    from dpcc_megatron.megatron.optimizer import build_training_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
     from dpcc_megatron.megatron.policy_step import RLBatch, compute_logprobs
-    from dpcc_megatron.train.update import policy_update
 
     cfg = JobConfig(model=tiny_model_config(num_layers=2, num_moe_experts=EXPERTS, moe_router_topk=2,
                                             moe_ffn_hidden_size=32),
@@ -79,14 +75,25 @@ def _replay_rank(rank, world):
     shifted = dataclasses.replace(batch, routing=(batch.routing + 1) % EXPERTS)
     out["shifted_diff"] = float((_lp_of(chunks, shifted) - old).abs().max())
     # Step 0 of the update on the sampler's routing and old log-probs: ratio exactly 1 with replay.
-    batch = dataclasses.replace(batch, routing=sampler.routing, old_logprobs=replayed_lp)
+    out["ratio"] = _step_zero_ratio(chunks, cfg, dataclasses.replace(batch, routing=sampler.routing,
+                                                                      old_logprobs=replayed_lp))
+    return out
+
+
+def _step_zero_ratio(chunks, cfg, batch):
+    """(min, max) of the importance ratio in one policy update of ``batch`` (one rank)."""
+    from megatron.core import parallel_state as ps
+
+    from dpcc_megatron.algo import DPCCController
+    from dpcc_megatron.megatron.optimizer import build_optimizer, build_scheduler
+    from dpcc_megatron.train.update import policy_update
+
     optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
     res = policy_update(chunks, optimizer, build_scheduler(optimizer, cfg.optim, total_steps=2),
                         DPCCController(cfg.loss.dpcc, total_steps=2), batch, cfg, dp_size=1,
                         dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                         vocab_size=VOCAB)
-    out["ratio"] = (res.metrics["ratio_min"], res.metrics["ratio_max"])
-    return out
+    return res.metrics["ratio_min"], res.metrics["ratio_max"]
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +170,121 @@ def test_replay_under_sequence_and_pipeline_parallelism(tp, pp):
     assert [r["layers"] for r in results] == ([4, 4] if pp == 1 else [2, 2])  # each rank: its own layers
     last = [r for r in results if r["last"]]
     assert last and all(r["equal"] and r["shifted_diff"] > 1e-3 for r in last)
+
+
+# -- the sampler's routing (Megatron engine) replayed in the old-log-prob pass and the update -------------
+PROMPTS = [[(5 * i + 3 * j) % 190 + 5 for j in range(n)] for i, n in enumerate((3, 6, 4, 5))]
+
+
+def _sampler_replay_rank(rank, world):
+    import dataclasses
+
+    from dpcc_megatron.config import JobConfig, OptimizerConfig, TrainConfig
+    from dpcc_megatron.megatron.megatron_engine import MegatronEngine
+    from dpcc_megatron.megatron.optimizer import build_training_model
+    from dpcc_megatron.megatron.parallel import init_model_parallel
+    from dpcc_megatron.megatron.policy_step import compute_logprobs
+    from dpcc_megatron.megatron.precision import mismatch_stats
+    from dpcc_megatron.rollout.engine import Sampling
+    from dpcc_megatron.train.rollout import RolloutBatch
+
+    cfg = JobConfig(model=tiny_model_config(num_layers=2, num_moe_experts=EXPERTS, moe_router_topk=2,
+                                            moe_ffn_hidden_size=32, init_method_std=0.1),
+                    parallel=parallel_config(1, 1), optim=OptimizerConfig(name="adam", lr=1e-3),
+                    train=TrainConfig(mini_batch_size=len(PROMPTS) * 2, micro_batch_size=2))
+    cfg.rollout.routing_replay = True
+    init_model_parallel(cfg.parallel, seed=3)
+    torch.manual_seed(3)
+    chunks = build_training_model(cfg.model, cfg.parallel, cfg.precision)
+    engine = MegatronEngine(chunks, vocab_size=VOCAB, pad_id=0, record_routing=True)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    sampling = Sampling(max_new_tokens=8, temperature=1.0, seed=9)
+    out = {}
+
+    def rollout_batch(gen):
+        rb = RolloutBatch([None] * len(prompts), prompts, gen.responses, [""] * len(prompts), gen.logprobs,
+                          gen.finished, 0, gen.routing)
+        return rb.to_batch(torch.randn(len(prompts), generator=torch.Generator().manual_seed(2)))
+
+    def mismatch(batch, replay):
+        b = batch if replay else dataclasses.replace(batch, routing=None)
+        old, _ = compute_logprobs(chunks, b, micro_batch_size=2, vocab_size=VOCAB, dp_size=1, record_routing=True)
+        return old, b, mismatch_stats(old, batch.sampler_logprobs, batch.mask)["mismatch_kl"]
+
+    # The same numerics as the trainer: replaying the sampler's routing reproduces its log-probs.
+    exact = rollout_batch(engine.generate(prompts, sampling))
+    out["exact_lp_gap"] = float((mismatch(exact, True)[0] - exact.sampler_logprobs)[exact.mask].abs().max())
+    # A sampler whose numerics route some tokens elsewhere (emulated by router noise while it samples).
+    _router_noise(chunks, 0.05, seed=5)
+    gen = engine.generate(prompts, sampling)
+    _router_noise(chunks, -0.05, seed=5)
+    batch = rollout_batch(gen)
+    out["routing_rows"] = [tuple(r.shape) for r in gen.routing]
+    out["lens"] = [len(p) + len(r) for p, r in zip(prompts, gen.responses)]
+    old_off, off_batch, out["mismatch_off"] = mismatch(batch, False)
+    out["free_differs"] = float((off_batch.routing != batch.routing)[batch.mask].any(-1).float().mean())
+    old_on, on_batch, out["mismatch_on"] = mismatch(batch, True)
+    out["routing_kept"] = on_batch.routing is batch.routing
+    # Step 0 of the update: the old log-probs and the update's forward use the sampler's experts.
+    out["ratio"] = _step_zero_ratio(chunks, cfg, dataclasses.replace(on_batch, old_logprobs=old_on))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampler_replay():
+    (res,) = run_multirank(_sampler_replay_rank, 1, timeout=300)
+    return res
+
+
+def test_the_sampler_routing_reaches_the_batch(sampler_replay):
+    r = sampler_replay
+    assert r["routing_rows"] == [(n - 1, 2, 2) for n in r["lens"]]  # every fed position, each layer, top-2
+    assert r["routing_kept"]  # the old-log-prob pass replayed it (it did not record its own)
+    assert r["exact_lp_gap"] < 1e-4
+
+
+def test_sampler_routing_replay_cuts_the_mismatch_and_keeps_the_ratio_at_one(sampler_replay):
+    r = sampler_replay
+    assert r["free_differs"] > 0.05  # routed freely, the trainer sends some tokens to other experts
+    assert r["mismatch_on"] < 0.5 * r["mismatch_off"], (r["mismatch_on"], r["mismatch_off"])
+    assert r["ratio"] == (1.0, 1.0)
+
+
+def _train_rank(rank, world, out):
+    """Two RL iterations of a tiny MoE model at EP2 (two data-parallel replicas, different prompts) with
+    routing replay and the Megatron engine; every old-log-prob pass must receive the sampler's routing."""
+    from pathlib import Path
+
+    import dpcc_megatron.train.context as context
+    import dpcc_megatron.train.trainer as trainer
+    from dpcc_megatron.config import load_config
+
+    seen = []
+    real = context.compute_logprobs
+
+    def spy(chunks, batch, **kw):
+        seen.append((batch.routing is not None, kw.get("record_routing"),
+                     None if batch.routing is None else tuple(batch.routing.shape)))
+        return real(chunks, batch, **kw)
+
+    context.compute_logprobs = spy
+    base = {"model.num_layers": 2, "model.hidden_size": 32, "model.ffn_hidden_size": 64,
+            "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.vocab_size": 128,
+            "model.make_vocab_size_divisible_by": 32, "model.max_seq_len": 32, "model.num_moe_experts": 4,
+            "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 32,
+            "parallel.expert_model_parallel_size": 2, "parallel.use_distributed_optimizer": False,
+            "data.synthetic_digits": 1, "rollout.group_size": 4, "rollout.prompts_per_iteration": 4,
+            "rollout.max_new_tokens": 3, "rollout.routing_replay": True, "train.mini_batch_size": 8,
+            "train.micro_batch_size": 4, "train.iterations": 2, "train.warmup_sft_steps": 0, "optim.lr": 1e-3,
+            "train.output_dir": str(Path(out) / "run"), "monitor.enabled": False}
+    summary = trainer.train(load_config(overrides=[f"{k}={v}" for k, v in base.items()]))
+    return {"seen": seen, "summary": summary}
+
+
+@pytest.mark.slow
+def test_training_replays_the_sampler_routing_at_ep2(tmp_path):
+    results = run_multirank(_train_rank, 2, args=(str(tmp_path),), timeout=600)
+    for res in results:
+        assert len(res["seen"]) == 2  # one old-log-prob pass per iteration
+        assert all(carried and record for carried, record, _ in res["seen"])
+        assert all(shape[2:] == (2, 2) for _, _, shape in res["seen"])  # both MoE layers, top-2

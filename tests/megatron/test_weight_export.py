@@ -55,3 +55,70 @@ def test_gather_returns_the_hf_tensors(tp, pp, overrides):
     r = results[0]
     assert r["names"] == r["expected"]  # every tensor, in file order, padded vocabulary rows dropped
     assert r["gap"] == 0.0
+
+
+# -- the streamed refit of a mixture-of-experts model at expert parallelism -------------------------------
+MOE = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, qk_layernorm=True,
+           vocab_size=256)
+
+
+def _moe_stream_rank(rank, world, tp, ep, state, etp=None):
+    """Every bucket of the HF weight stream, as this rank holds it once the stream yields it."""
+    from megatron.core import parallel_state as ps
+
+    from dpcc_megatron.megatron.model import build_gpt_model
+    from dpcc_megatron.megatron.parallel import init_model_parallel
+    from dpcc_megatron.megatron.reshard import local_named_tensors
+    from dpcc_megatron.megatron.weight_export import HFWeightStream
+    from dpcc_megatron.testing.tiny import parallel_config, tiny_model_config
+    from tests.megatron.test_moe_generate import load_moe_state
+
+    par = parallel_config(tp, 1, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                          expert_tensor_parallel_size=etp or (1 if tp > 1 else None),
+                          moe_token_dispatcher_type="alltoall" if tp == 1 else "allgather")
+    init_model_parallel(par, seed=3)
+    torch.manual_seed(3)
+    cfg = tiny_model_config(**MOE)
+    chunks = [build_gpt_model(cfg, par)]
+    if state is not None:
+        load_moe_state(chunks, state)
+    stream = HFWeightStream(cfg, vocab_size=VOCAB, dtype=torch.float32, bucket_bytes=64 * 1024,
+                            tp_group=ps.get_tensor_model_parallel_group(),
+                            pp_group=ps.get_pipeline_model_parallel_group())
+    plan = stream.plan(chunks)
+    buf = torch.full((max(b.nbytes for b in plan),), 7, dtype=torch.uint8)
+    out = {"buckets": [], "entries": [b.entries for b in plan], "state": local_named_tensors(chunks)}
+    for bucket in stream.stream(chunks, lambda b: buf):
+        out["buckets"].append({n: buf[off:off + nb].view(torch.float32).view(shape).clone()
+                               for n, shape, off, nb in bucket.entries})
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, None), (2, 2, None), (2, 1, 2)], ids=["ep2", "tp2ep2", "tp2etp2"])
+def test_moe_stream_gathers_every_expert_from_its_rank(tp, ep, etp):
+    (ref,) = run_multirank(_moe_stream_rank, 1, args=(1, 1, None), timeout=240)
+    experts = [n for b in ref["entries"] for n, *_ in b if ".experts." in n]
+    assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down), HF per-expert names
+    for b in ref["entries"]:  # a layer's experts (vLLM's fused MoE module) never span two buckets
+        layers = {n.split(".")[2] for n, *_ in b if ".experts." in n}
+        assert all(sum(f"layers.{i}.mlp.experts.{e}." in n for n, *_ in b for e in range(4)) == 12 for i in layers)
+    results = run_multirank(_moe_stream_rank, 2, args=(tp, ep, ref["state"], etp), timeout=240)
+    for res in results:  # every rank holds every expert, whichever rank trains it
+        assert res["entries"] == ref["entries"]
+        for got, want in zip(res["buckets"], ref["buckets"]):
+            for name, t in want.items():
+                assert torch.equal(got[name], t), name
+
+
+def test_moe_bucket_plan_names():
+    from dpcc_megatron.megatron.weight_export import Bucket, expert_runs, module_of, unit_of_hf
+
+    assert module_of("model.layers.2.mlp.experts.7.down_proj.weight") == "model.layers.2.mlp.experts"
+    assert module_of("model.layers.0.block_sparse_moe.experts.1.w3.weight") == "model.layers.0.block_sparse_moe.experts"
+    assert module_of("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.block_sparse_moe.gate"
+    assert unit_of_hf("model.layers.3.block_sparse_moe.experts.5.w1.weight") == (3, 5)
+    assert unit_of_hf("model.layers.3.mlp.gate.weight") == 3
+    entries = (("model.layers.0.mlp.gate.weight", (4, 8), 0, 128),
+               *((f"model.layers.0.mlp.experts.{e}.down_proj.weight", (8, 4), 128 + 192 * e, 128) for e in range(4)))
+    assert expert_runs(Bucket(0, 0, entries, 1000), 2) == [(0, 128, 448), (1, 512, 832)]
+    assert expert_runs(Bucket(0, 0, entries, 1000), 0) == []
