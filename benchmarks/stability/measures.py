@@ -153,8 +153,8 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
         "wall_s": round(wall_s, 2),
         "train_s": round(sum(_finite(r.get("seconds") for r in records)), 2),
     }
-    out.update(moe_measures(records))
     judge = judge_config(monitor_cfg, records)
     out["entropy_band"] = list(judge.entropy_band) if judge.entropy_band else None
     out.update(collapse_verdict(records, judge, out["stop_reason"]))
+    out.update(moe_measures(records))
     return out

@@ -110,3 +110,22 @@ def test_a_tiny_moe_run_with_replay_records_the_expert_load(tmp_path):
         assert {"moe_load_entropy_l0", "moe_load_entropy_l1"} <= set(rec)
     result = judge({"exit_code": rc}, tmp_path / "run", target=0.4, wall=wall)
     assert result["iterations"] == 2 and 0.0 < result["moe_load_entropy_min"] <= result["moe_load_entropy_mean"]
+
+
+def test_the_committed_reading_regenerates_from_its_export():
+    """Every line of moe-routing-replay.md's held-out reading comes back from its committed export, and the
+    export holds the pre-registered grid: 4 arms x 2 LRs x seeds 1201-1216."""
+    from pathlib import Path
+
+    from benchmarks.stability.analyze import load_results
+    from benchmarks.stability.moe_replay import report
+
+    stability = Path(__file__).resolve().parents[2] / "benchmarks" / "stability"
+    results, failed = load_results(stability / "moe-routing-replay.jsonl.xz")
+    assert not failed and len(results) == 128
+    assert {r["seed"] for r in results} == set(GRIDS["moe-addition"].seeds)
+    assert {(r["method"], r["lr"]) for r in results} == {(arm(m, rp), lr) for m in ("grpo", "dpcc")
+                                                         for rp in (False, True) for lr in (SAFE_LR, AGGRESSIVE_LR)}
+    text = (stability / "moe-routing-replay.md").read_text()
+    lines = [line for line in report(results, AGGRESSIVE_LR, SAFE_LR) if line.strip()]
+    assert len(lines) > 20 and [line for line in lines if line not in text] == []
