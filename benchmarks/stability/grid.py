@@ -171,6 +171,10 @@ _DEFAULT_TESTBED = testbed("addition", TASKS["addition"]["digits"], 2)
 #: The demo's 2-layer model: the smoke grid stays cheap enough for the test suite.
 _SMOKE_MODEL = {f"model.{k}": v for k, v in _demo_with({})["model"].items()}
 
+#: The mixture-of-experts variant of a dense testbed's MLP (moe-routing-replay.md).
+MOE_MODEL = {"model.num_moe_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 128,
+             "model.moe_aux_loss_coeff": 1e-3}
+
 GRIDS: dict[str, Grid] = {
     "full": Grid(methods=tuple(METHODS), lrs=(SAFE_LR, MEDIUM_LR, AGGRESSIVE_LR), seeds=HELD_OUT_SEEDS,
                  iterations=40, extra=_DEFAULT_TESTBED),
@@ -196,6 +200,15 @@ GRIDS: dict[str, Grid] = {
     "deep-addition": Grid(methods=CORE_METHODS, lrs=(SAFE_LR, MEDIUM_LR, AGGRESSIVE_LR), seeds=tuple(range(501, 517)),
                           iterations=40, warm_start_steps=600, target_reward=0.15,
                           extra=testbed("addition", 2, 2, prompts=16)),
+    # The `small` testbed (2-layer, 1-digit addition, 2 steps per iteration) with every MLP a mixture of
+    # experts: 4 experts of width 128, top-2, so the active MLP width (256) is the dense model's; the
+    # load-balancing coefficient of the Qwen3-MoE example (0.001). 40 iterations: with 20, GRPO at the safe LR
+    # ended above its start in 2 of 4 development runs (moe-routing-replay.md, candidates C1 and C2, seeds
+    # 101-104), with 40 in 3 of 4; target reward 0.35 from the same runs. Held-out seeds 1201-1216, routing
+    # replay on and off by `--set rollout.routing_replay=true`.
+    "moe-addition": Grid(methods=("grpo", "dpcc"), lrs=(SAFE_LR, AGGRESSIVE_LR), seeds=tuple(range(1201, 1217)),
+                         iterations=40, warm_start_steps=60, target_reward=0.35,
+                         extra={**_DEFAULT_TESTBED, **_SMOKE_MODEL, **MOE_MODEL}),
     # The smoke grid (tests/benchmarks): two methods, one seed, a few iterations, the demo's model;
     # the test adds a GRPO run at BROKEN_LR with `--methods grpo --lrs <BROKEN_LR>`. 8 iterations: the
     # collapse rule reads a halving only with 5 iterations after it (benchmarks/monitor/labels.py).

@@ -99,6 +99,16 @@ def final_branch(records: list[dict]) -> list[dict]:
     return kept
 
 
+def moe_measures(records: list[dict]) -> dict:
+    """Expert load of a mixture-of-experts run (nothing for a dense one): the mean over iterations of the
+    worst layer's normalised load entropy and of its max/mean load, and the lowest entropy reached."""
+    entropy = _finite(r.get("moe_load_entropy") for r in records)
+    if not entropy:
+        return {}
+    return {"moe_load_entropy_mean": _mean(entropy), "moe_load_entropy_min": min(entropy),
+            "moe_load_max_over_mean_mean": _mean(r.get("moe_load_max_over_mean") for r in records)}
+
+
 def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float, wall_s: float,
                  evals: Optional[list[dict]] = None) -> dict:
     """Everything the analysis needs from one run. ``evals`` are the trainer's held-out eval records
@@ -146,4 +156,5 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
     judge = judge_config(monitor_cfg, records)
     out["entropy_band"] = list(judge.entropy_band) if judge.entropy_band else None
     out.update(collapse_verdict(records, judge, out["stop_reason"]))
+    out.update(moe_measures(records))
     return out
