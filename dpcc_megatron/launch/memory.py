@@ -425,8 +425,9 @@ def vllm_engine_terms(model: ModelShape, layout: Layout, work: Workload) -> list
     per_seq = 2 * model.num_layers * groups * model.head_dim * work.rollout_len * work.act_bytes
     seqs = int(kv_room // per_seq) if per_seq and kv_room > 0 else 0
     bucket, unit = refit_bucket_bytes(model, work), refit_unit_params(model) * work.act_bytes
-    experts = (f" (a layer's {model.experts} experts, {model.expert_params_per_layer() * work.act_bytes / GIB:.2f} GiB, "
-               "are one bucket)" if bucket > work.refit_bucket_bytes else "")
+    experts = (f" (a layer's {model.experts} experts, "
+               f"{model.expert_params_per_layer() * work.act_bytes / GIB:.2f} GiB, are one bucket)"
+               if bucket > work.refit_bucket_bytes else "")
     return [
         Term("vLLM engine (weights + KV)", phase, work.engine_gpu_bytes,
              f"gpu_memory_utilization share: weights {weights / GIB:.1f} GiB (1/{w} of the model) + KV cache "

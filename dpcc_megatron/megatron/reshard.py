@@ -68,6 +68,16 @@ def global_expert_name(key: str, chunk, ep_rank: int) -> Optional[str]:
     return f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"
 
 
+def _expert_share(chunks: list) -> tuple[int, int, int]:
+    """(expert-parallel rank, expert-TP rank, expert-TP size) of this rank; (0, 0, 1) without experts."""
+    if not any(c.config.num_moe_experts for c in chunks):
+        return 0, 0, 1
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size())
+
+
 def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor],
                          tp_rank: Optional[int] = None, tp: Optional[int] = None) -> None:
     """Copy this rank's slices of the canonical ``full`` state dict into ``chunks`` (experts under their
@@ -77,10 +87,7 @@ def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torc
     tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
     tp = ps.get_tensor_model_parallel_world_size() if tp is None else tp
     chunks = [getattr(c, "module", c) for c in chunks]
-    moe = any(c.config.num_moe_experts for c in chunks)
-    ep_rank = ps.get_expert_model_parallel_rank() if moe else 0
-    etp_rank = ps.get_expert_tensor_parallel_rank() if moe else 0
-    etp = ps.get_expert_tensor_parallel_world_size() if moe else 1
+    ep_rank, etp_rank, etp = _expert_share(chunks)
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
         offset = _layer_offset(chunk)
@@ -124,19 +131,23 @@ def local_named_tensors(chunks: Iterable[torch.nn.Module], grads: bool = False) 
 
 def shard_like(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor],
                tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The slices of ``full`` (e.g. reference gradients) that this rank's parameters hold."""
+    """The slices of ``full`` (e.g. reference gradients) that this rank's parameters hold, keyed like
+    :func:`local_named_tensors` (experts: this rank's expert-parallel share, split over expert TP)."""
     out = {}
+    chunks = [getattr(c, "module", c) for c in chunks]
+    ep_rank, etp_rank, etp = _expert_share(chunks)
     for chunk in chunks:
-        chunk = getattr(chunk, "module", chunk)
         offset = _layer_offset(chunk)
         for name, param in chunk.named_parameters():
             key = local_to_global_name(name, offset)
             src = "embedding.word_embeddings.weight" if (
                 key == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False)) else key
+            expert = global_expert_name(key, chunk, ep_rank)
+            src = expert or src
             if src not in full:
                 continue
             value = full[src]
             if src in _VOCAB_KEYS:
                 value = _pad_vocab(value, param.shape[0] * (tp if getattr(param, "tensor_model_parallel", False) else 1))
-            out[key] = _tp_slice(value, param, name, chunk, tp_rank, tp)
+            out[key] = _tp_slice(value, param, name, chunk, *((etp_rank, etp) if expert else (tp_rank, tp)))
     return out

@@ -71,7 +71,8 @@ def test_expert_layout_problems_name_the_keys():
     assert any("does not divide the 4 GPUs" in p for p in problems)
 
 
-@pytest.mark.parametrize("name,gpus,experts_gib", [("qwen3_30b_a3b.yaml", 8, 1.125), ("qwen3_235b_a22b.yaml", 128, 4.5)])
+@pytest.mark.parametrize("name,gpus,experts_gib", [("qwen3_30b_a3b.yaml", 8, 1.125),
+                                                    ("qwen3_235b_a22b.yaml", 128, 4.5)])
 def test_vllm_refit_bucket_holds_one_layers_experts(name, gpus, experts_gib):
     """A layer's experts are one vLLM module, so one bucket: the refit term takes max(refit_bucket_mb, one
     layer's experts in the serving dtype), here bf16 (128 experts x 3 x hidden x expert width x 2 B)."""

@@ -70,7 +70,7 @@ def _moe_stream_rank(rank, world, tp, ep, state, etp=None, pp=1, layers=2):
 
     from dpcc_megatron.megatron.model import build_gpt_model
     from dpcc_megatron.megatron.parallel import init_model_parallel
-    from dpcc_megatron.megatron.reshard import load_full_state_dict, local_named_tensors
+    from dpcc_megatron.megatron.reshard import load_full_state_dict, local_named_tensors, shard_like
     from dpcc_megatron.megatron.weight_export import HFWeightStream, gather_hf_weights
     from dpcc_megatron.testing.tiny import parallel_config, tiny_model_config
     from tests.megatron.test_moe_generate import load_moe_state
@@ -85,6 +85,11 @@ def _moe_stream_rank(rank, world, tp, ep, state, etp=None, pp=1, layers=2):
     out = {}
     if state is not None:
         load_full_state_dict(chunks, state)  # experts from this rank's EP share, split over expert TP
+        mine = local_named_tensors(chunks)
+        sliced = shard_like(chunks, state, ps.get_tensor_model_parallel_rank(),
+                            ps.get_tensor_model_parallel_world_size())
+        out["shard_like_agrees"] = list(sliced) == list(mine) and all(
+            torch.equal(sliced[n], t) for n, t in mine.items())
         if pp == 1:  # the test helper that slices experts by hand puts the same values in every parameter
             loaded = local_named_tensors(chunks)
             load_moe_state(chunks, state)
@@ -159,6 +164,7 @@ def test_moe_stream_gathers_every_expert_from_its_rank(tp, ep, etp, moe_referenc
         assert all(sum(f"layers.{i}.mlp.experts.{e}." in n for n, *_ in b for e in range(4)) == 12 for i in layers)
     results = run_multirank(_moe_stream_rank, 2, args=(tp, ep, ref["state"], etp), timeout=240)
     assert all(r["loader_agrees"] for r in results)  # load_full_state_dict: experts by EP rank and expert TP
+    assert all(r["shard_like_agrees"] for r in results)
     _assert_every_rank_holds_the_reference(results, ref)
     _same_order_within_each_group(results)
     if ep == 1:  # the whole-model gather gives the same tensors (at expert TP 1 the experts are not TP-split)
@@ -178,6 +184,7 @@ def test_moe_stream_with_the_expert_group_across_replicas(tp, pp, ep, moe_refere
     ref = moe_reference[2 * pp]
     results = run_multirank(_moe_stream_rank, 4, args=(tp, ep, ref["state"], 1 if tp > 1 else None, pp, 2 * pp),
                             timeout=240)
+    assert all(r["shard_like_agrees"] for r in results)
     _assert_every_rank_holds_the_reference(results, ref)
     _same_order_within_each_group(results)
     for r in results:  # the expert group joins both replicas, and the experts travelled over it
