@@ -295,6 +295,13 @@ def base_method(r: dict) -> str:
                                                        if k != STALENESS_KEY})
 
 
+def _base_methods(results: list[dict]) -> list[str]:
+    """The runs' methods without the staleness, in the runner's method order."""
+    from .grid import METHODS
+
+    return method_order([{"method": base_method(r)} for r in results], list(METHODS))
+
+
 def normal_sf(z: float) -> float:
     """P(Z > z) for a standard normal Z."""
     return 0.5 * math.erfc(z / math.sqrt(2))
@@ -325,7 +332,7 @@ def staleness_rows(results: list[dict], higher: list[float]) -> list[dict]:
     for r in results:
         by[(base_method(r), staleness_of(r))].append(r)
     rows = []
-    for m in dict.fromkeys(base_method(r) for r in results):
+    for m in _base_methods(results):
         ks = sorted(k for mm, k in by if mm == m)
         cells = []
         for k in ks:
@@ -378,7 +385,7 @@ def staleness_reward_table(results: list[dict]) -> list[str]:
         by[(base_method(r), r["lr"], staleness_of(r))][r["seed"]] = r
     lines = ["| LR | method | k | runs | final greedy reward | Δ vs smallest k, same seed (95% CI) | ended below start |",
              "|---|---|---|---|---|---|---|"]
-    methods = list(dict.fromkeys(base_method(r) for r in results))
+    methods = _base_methods(results)
     for lr in sorted({r["lr"] for r in results}):
         for m in methods:
             ks = sorted(k for mm, l, k in by if mm == m and l == lr)
