@@ -460,7 +460,9 @@ def plot(results: list[dict], methods: list[str], lrs: list[float], rows: list[d
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)
-                mean = [statistics.fmean(float(c[i]) for c in curves) for i in range(n)]
+                # an iteration whose rows were all padding logs no entropy (null): the mean is over the others
+                mean = [statistics.fmean(v) if (v := [float(c[i]) for c in curves if c[i] is not None]) else math.nan
+                        for i in range(n)]
                 style = "-" if not m.startswith("dpcc-") else ":"
                 axes[row][j].plot(range(1, n + 1), mean, style, label=m, lw=1.3)
         axes[0][j].set_title(f"lr {lr:g}: sampled rule reward (mean over seeds)", fontsize=9)

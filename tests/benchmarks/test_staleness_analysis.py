@@ -2,6 +2,7 @@
 report that reads each method across k (benchmarks/stability/async-staleness.md)."""
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -90,8 +91,24 @@ def test_the_staleness_section_reports_trend_and_paired_reward_differences():
 
 
 def test_a_staleness_grids_report_reads_methods_across_k_from_its_export(tmp_path):
-    export = write_export(tmp_path / "s.jsonl.xz", _grid())
+    rows = _grid()
+    rows[0]["entropy_curve"] = [1.0, None, 0.9, 0.9]  # an all-padding iteration logs no entropy: the plot skips it
+    export = write_export(tmp_path / "s.jsonl.xz", rows)
     text = write_report(export, tmp_path / "r" / "RESULTS.md").read_text()
     assert "## Collapse by staleness k" in text and "## Final greedy reward by staleness k" in text
     assert "## Paired comparison with GRPO" not in text  # no plain `grpo`: every method is read across its k
     assert "| 0.002 | grpo[rollout.max_staleness=2] | 4 | 4/4 = 100%" in text  # the usual table, per variant
+
+
+def test_the_committed_staleness_reports_tables_come_back_from_its_export(tmp_path):
+    from benchmarks.stability.analyze import load_results
+
+    stability = Path(__file__).resolve().parents[2] / "benchmarks" / "stability"
+    results, failed = load_results(stability / "async-staleness.jsonl.xz")
+    assert len(results) == 216 and failed == []
+    report = stability / "async-staleness.md"
+    text = report.read_text()
+    tables = [line for line in staleness_section(results) if line.startswith("|")]
+    assert len(tables) > 40
+    missing = [line for line in tables if line not in text]
+    assert missing == []
