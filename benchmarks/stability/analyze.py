@@ -277,6 +277,147 @@ def paired_table(rows: list[dict], baseline: str = "grpo") -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- staleness axis (rollout.max_staleness)
+#: The config key of the staleness axis: a grid run with ``--set rollout.max_staleness=K`` per K.
+STALENESS_KEY = "rollout.max_staleness"
+
+
+def staleness_of(r: dict) -> int:
+    """The run's ``rollout.max_staleness`` k (0, the synchronous loop, when its overrides do not set it)."""
+    return int(r.get("overrides", {}).get(STALENESS_KEY, 0) or 0)
+
+
+def base_method(r: dict) -> str:
+    """The run's method with its development overrides except the staleness (the row of the staleness tables)."""
+    from .grid import variant_name
+
+    return variant_name(r["method"].split("[", 1)[0], {k: v for k, v in (r.get("set") or {}).items()
+                                                       if k != STALENESS_KEY})
+
+
+def _base_methods(results: list[dict]) -> list[str]:
+    """The runs' methods without the staleness, in the runner's method order."""
+    from .grid import METHODS
+
+    return method_order([{"method": base_method(r)} for r in results], list(METHODS))
+
+
+def normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def cochran_armitage(counts, totals, scores) -> tuple[float, float]:
+    """Cochran-Armitage test for a trend in proportions ``counts[i] / totals[i]`` over ``scores[i]``:
+    (z, one-sided p for a proportion rising with the score). Without any variance (no group, or every run
+    or no run an event) there is no evidence of a trend: (nan, 1.0)."""
+    n_all = sum(totals)
+    if n_all == 0:
+        return float("nan"), 1.0
+    p = sum(counts) / n_all
+    t = sum(s * (x - n * p) for x, n, s in zip(counts, totals, scores))
+    var = p * (1 - p) * (sum(n * s * s for n, s in zip(totals, scores))
+                         - sum(n * s for n, s in zip(totals, scores)) ** 2 / n_all)
+    if var <= 0:
+        return float("nan"), 1.0
+    z = t / math.sqrt(var)
+    return z, normal_sf(z)
+
+
+def staleness_rows(results: list[dict], higher: list[float]) -> list[dict]:
+    """Per method and k: collapses at the ``higher`` LRs (Wilson CI) and at the others, the mean staleness and
+    behaviour KL; per method the trend over k (Cochran-Armitage) and the exact paired test of the largest k
+    against k = 0 on the same (LR, seed) at the higher LRs."""
+    by = defaultdict(list)
+    for r in results:
+        by[(base_method(r), staleness_of(r))].append(r)
+    rows = []
+    for m in _base_methods(results):
+        ks = sorted(k for mm, k in by if mm == m)
+        cells = []
+        for k in ks:
+            rs = by[(m, k)]
+            hi_runs = [r for r in rs if r["lr"] in higher]
+            lo_runs = [r for r in rs if r["lr"] not in higher]
+            c = sum(bool(r["collapsed"]) for r in hi_runs)
+            cells.append({"k": k, "collapses": c, "n": len(hi_runs), "ci": wilson(c, len(hi_runs)),
+                          "safe_collapses": sum(bool(r["collapsed"]) for r in lo_runs), "safe_n": len(lo_runs),
+                          "staleness": [r.get("staleness_mean", 0.0 if k == 0 else None) for r in rs],
+                          "kl_b": [r.get("kl_behaviour_mean") for r in rs],
+                          "not_stale": sum(1 for r in rs if k > 0 and not (r.get("staleness_mean") or 0) > 0)})
+        z, p = cochran_armitage([c["collapses"] for c in cells], [c["n"] for c in cells], [c["k"] for c in cells])
+        first = {(r["lr"], r["seed"]): r for r in by[(m, ks[0])] if r["lr"] in higher}
+        pairs = [(r, first[(r["lr"], r["seed"])]) for r in by[(m, ks[-1])]
+                 if r["lr"] in higher and (r["lr"], r["seed"]) in first] if len(ks) > 1 else []
+        only_last, only_first, p_pair = discordant(pairs)
+        rows.append({"method": m, "cells": cells, "z": z, "p_rise": p, "k_first": ks[0], "k_last": ks[-1],
+                     "only_last": only_last, "only_first": only_first, "p_paired": p_pair})
+    return rows
+
+
+def staleness_table(rows: list[dict], higher: list[float]) -> list[str]:
+    hi = " + ".join(f"{x:g}" for x in higher)
+    lines = [f"| method | k | collapsed at {hi} (95% CI) | collapsed at the other LRs | mean staleness |"
+             f" mean kl_b | runs with k ≥ 1 never stale |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for c in row["cells"]:
+            lo, up = c["ci"]
+            rate = f"{c['collapses']}/{c['n']} = {c['collapses'] / c['n']:.0%} ({lo:.0%}–{up:.0%})" if c["n"] else "–"
+            lines.append(f"| {row['method']} | {c['k']} | {rate} | {c['safe_collapses']}/{c['safe_n']} | "
+                         f"{fmt_ms(c['staleness'], 2)} | {fmt_ms(c['kl_b'], 3)} | {c['not_stale']} |")
+    lines += ["", f"| method | collapses at {hi} by k | trend z (Cochran–Armitage) | one-sided p (rise with k) |"
+              " paired: collapsed only at the largest k / only at the smallest (exact p) |",
+              "|---|---|---|---|---|"]
+    for row in rows:
+        z = "–" if math.isnan(row["z"]) else f"{row['z']:+.2f}"
+        lines.append(f"| {row['method']} | " + ", ".join(f"{c['collapses']}/{c['n']}" for c in row["cells"])
+                     + f" | {z} | {row['p_rise']:.3g} | k={row['k_last']} vs k={row['k_first']}: "
+                     f"{row['only_last']} / {row['only_first']} ({row['p_paired']:.3g}) |")
+    return lines
+
+
+def staleness_reward_table(results: list[dict]) -> list[str]:
+    """Final greedy reward per method x LR x k (mean ± sd) and its paired difference from the smallest k on the
+    same seed (mean, 95% t interval)."""
+    by = defaultdict(dict)
+    for r in results:
+        by[(base_method(r), r["lr"], staleness_of(r))][r["seed"]] = r
+    lines = ["| LR | method | k | runs | final greedy reward | Δ vs smallest k, same seed (95% CI) | ended below start |",
+             "|---|---|---|---|---|---|---|"]
+    methods = _base_methods(results)
+    for lr in sorted({r["lr"] for r in results}):
+        for m in methods:
+            ks = sorted(k for mm, l, k in by if mm == m and l == lr)
+            for k in ks:
+                rs, ref = by[(m, lr, k)], by[(m, lr, ks[0])]
+                finals = [r["reward_after"] for r in rs.values()]
+                if k == ks[0]:
+                    delta = "–"
+                else:
+                    mean, lo, hi, n = mean_ci95(rs[s]["reward_after"] - ref[s]["reward_after"] for s in rs
+                                                if s in ref and rs[s]["reward_after"] is not None
+                                                and ref[s]["reward_after"] is not None)
+                    delta = f"{mean:+.3f} ({lo:+.3f} to {hi:+.3f}, n={n})" if n > 1 else "–"
+                lines.append(f"| {lr:g} | {m} | {k} | {len(rs)} | {fmt_ms(finals)} | {delta} | "
+                             f"{sum(_degraded(r) for r in rs.values())}/{len(rs)} |")
+    return lines
+
+
+def staleness_section(results: list[dict]) -> list[str]:
+    """The report's staleness section: collapse by method x k with the trend test, then the final reward."""
+    lrs = sorted({r["lr"] for r in results})
+    higher = lrs[1:] if len(lrs) > 1 else lrs
+    return ["## Collapse by staleness k (same seeds at every k)", "",
+            f"Collapse counts over the LRs above the smallest ({', '.join(f'{x:g}' for x in higher)}), 95% Wilson "
+            "intervals; the trend test is Cochran–Armitage over k (scores k), one-sided for a rate rising with k; "
+            "the paired test compares the largest k with the smallest on the same (LR, seed), exact McNemar. "
+            "Mean staleness and kl_b = KL(π_b ‖ π_prox) are the runs' means over their iterations.", "",
+            *staleness_table(staleness_rows(results, higher), higher), "",
+            "## Final greedy reward by staleness k", "",
+            *staleness_reward_table(results), ""]
+
+
 # ---------------------------------------------------------------- plots
 def plot(results: list[dict], methods: list[str], lrs: list[float], rows: list[dict], out_dir: Path) -> list[str]:
     import matplotlib
@@ -319,7 +460,9 @@ def plot(results: list[dict], methods: list[str], lrs: list[float], rows: list[d
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)
-                mean = [statistics.fmean(float(c[i]) for c in curves) for i in range(n)]
+                # an iteration whose rows were all padding logs no entropy (null): the mean is over the others
+                mean = [statistics.fmean(v) if (v := [float(c[i]) for c in curves if c[i] is not None]) else math.nan
+                        for i in range(n)]
                 style = "-" if not m.startswith("dpcc-") else ":"
                 axes[row][j].plot(range(1, n + 1), mean, style, label=m, lw=1.3)
         axes[0][j].set_title(f"lr {lr:g}: sampled rule reward (mean over seeds)", fontsize=9)
@@ -586,15 +729,20 @@ def write_report(out: Path, md_path: Path, notes: Path | None = None, target: fl
         "",
         "## Results (mean ± standard deviation over seeds)", "",
         *summary_table(summary), "",
-        "## Paired comparison with GRPO (same seeds)", "",
-        *paired_table(paired), "",
-        *[f"![{p}]({p})" for p in pngs], "",
-        *[line for m in (targets_of or (IMPROVED_VARIANT,))
-          for line in (f"## Targets of the default (`{m}`)" if m == IMPROVED_VARIANT else
-                       f"## The default's targets, read for `{m}`", "", *targets_lines(results, m), "")],
-        "## Against the published claims", "",
-        *claims_paragraph(summary, paired, lrs, (PAPER_VARIANT, IMPROVED_VARIANT)), "",
     ]
+    if len({staleness_of(r) for r in results}) > 1:  # a staleness grid: each method is read across k, not vs GRPO
+        lines += [*staleness_section(results), *[f"![{p}]({p})" for p in pngs], ""]
+    else:
+        lines += [
+            "## Paired comparison with GRPO (same seeds)", "",
+            *paired_table(paired), "",
+            *[f"![{p}]({p})" for p in pngs], "",
+            *[line for m in (targets_of or (IMPROVED_VARIANT,))
+              for line in (f"## Targets of the default (`{m}`)" if m == IMPROVED_VARIANT else
+                           f"## The default's targets, read for `{m}`", "", *targets_lines(results, m), "")],
+            "## Against the published claims", "",
+            *claims_paragraph(summary, paired, lrs, (PAPER_VARIANT, IMPROVED_VARIANT)), "",
+        ]
     if export:
         path = write_export(md_path.parent / EXPORT, results + failed)
         lines += [f"Every run's measures and curves: [`{path.name}`]({path.name}) (xz-compressed JSON lines; "

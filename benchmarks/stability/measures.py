@@ -153,6 +153,9 @@ def run_measures(records: list[dict], summary: dict, monitor_cfg, target: float,
         "wall_s": round(wall_s, 2),
         "train_s": round(sum(_finite(r.get("seconds") for r in records)), 2),
     }
+    if any("staleness_mean" in r for r in records):  # rollout.max_staleness >= 1: how stale the batches were
+        out["staleness_mean"] = _mean(r.get("staleness_mean") for r in records)
+        out["kl_behaviour_mean"] = _mean(r.get("kl_behaviour") for r in records)
     judge = judge_config(monitor_cfg, records)
     out["entropy_band"] = list(judge.entropy_band) if judge.entropy_band else None
     out.update(collapse_verdict(records, judge, out["stop_reason"]))
