@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed import reduce_values
 from .rollout import finish_rollouts, rollout_request, score_rollouts, _sampling
 from .sampling import IterationSamples, sample_iteration
 
@@ -277,10 +278,5 @@ def _global_behaviour_kl(ctx, batch, behaviour_kl) -> float:
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     n = float(mask.sum()) if last else 0.0
     total = behaviour_kl(batch.old_logprobs, batch.sampler_logprobs, mask) * n if last and n else 0.0
-    t = torch.tensor([total, n], dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    t = t.cpu()
-    return float(t[0] / t[1]) if float(t[1]) > 0 else 0.0
+    total, n = reduce_values([total, n], "sum")
+    return total / n if n > 0 else 0.0

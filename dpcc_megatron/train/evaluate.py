@@ -28,9 +28,9 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..data.formats import load_prompts
+from ..distributed import reduce_values
 from ..data.prompts import Prompt, synthetic_prompts
 
 EVAL_SEED = 8_675_309
@@ -143,11 +143,7 @@ class Evaluator:
 
     def _reduce(self, sums: dict) -> dict:
         keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
-        if dist.is_initialized():
-            dist.all_reduce(t)
-        return dict(zip(keys, t.cpu().tolist()))
+        return dict(zip(keys, reduce_values([sums[k] for k in keys], "sum")))
 
     def record_fields(self, iteration: int) -> dict:
         """``eval_<metric>`` of the evaluation taken on the weights iteration ``iteration`` samples with (after

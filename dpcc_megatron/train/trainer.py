@@ -16,10 +16,10 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..algo import DPCCController, group_advantages
 from ..config import JobConfig
+from ..distributed import any_rank
 from ..megatron.performance import gather_params, release_cached_memory, release_memory_enabled
 from ..rollout.engine import EngineFailure
 from .async_rollout import RolloutPipeline
@@ -45,15 +45,6 @@ class _Signals:
 
     def _handle(self, signum, frame) -> None:
         self.requested = signal.Signals(signum).name
-
-
-def _agree(flag: float, op=dist.ReduceOp.MAX) -> float:
-    t = torch.tensor([float(flag)])
-    if torch.cuda.is_available():
-        t = t.cuda()
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return float(t.item())
 
 
 def warm_start(ctx: RunContext) -> None:
@@ -212,7 +203,7 @@ def train(cfg: JobConfig) -> dict:
             pipeline.wait_idle()  # a background generation finishes before the evaluation refits the engine
             with timer.phase("eval"):
                 evaluate_greedy(ctx, iteration)  # eval.interval; the last iteration's runs below
-        stop = _agree(1.0 if signals.requested else 0.0) > 0
+        stop = any_rank(signals.requested is not None)
         if consecutive_skips >= cfg.train.max_consecutive_skips:
             stop_reason = f"stopped: {consecutive_skips} consecutive non-finite steps (see logs)"
             stop, stop_kind = True, "nonfinite"
