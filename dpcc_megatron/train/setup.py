@@ -16,6 +16,7 @@ from .checkpoints import Checkpoints
 from .context import RunContext
 from .engines import build_rollout_engine
 from .evaluate import Evaluator, load_eval_prompts
+from .finish import close
 from .loading import announce
 from .monitor_exchange import MonitorExchange
 from .refit import EngineWeights
@@ -85,21 +86,30 @@ def setup_run(cfg: JobConfig) -> RunContext:
         reward=reward, vocab_size=tokenizer.vocab_size, out_dir=out_dir, reference=reference)
     ctx.checkpoints = Checkpoints(ctx)  # with checkpoint.async_save, its queue
     ctx.weights = EngineWeights(build_rollout_engine(ctx), chunks, rank=rank)
-    detector = monitor = None
-    if rank == 0:
-        from ..monitor.detector import CollapseDetector
-
-        detector = CollapseDetector(cfg.monitor)
-        if cfg.monitor.enabled and cfg.monitor.address:
-            from ..monitor.client import MonitorClient
-
-            monitor = MonitorClient.from_config(cfg.monitor, output_dir=str(out_dir))
-        from .loggers import ExperimentLoggers
-
-        ctx.loggers = ExperimentLoggers(cfg, out_dir, run_config=to_dict(cfg))
-    ctx.exchange = MonitorExchange(cfg, rank, ctx.world, ctx.counters, detector, monitor)
-    ctx.evaluator = Evaluator(ctx)
+    try:
+        _monitoring(ctx)
+        ctx.evaluator = Evaluator(ctx)
+    except BaseException:
+        close(ctx)  # the engine (and the sidecar client) do not outlive a set-up that failed
+        raise
     return ctx
+
+
+def _monitoring(ctx: RunContext) -> None:
+    """The monitor exchange (rank 0: the local detector, the sidecar client) and the experiment loggers."""
+    ctx.exchange = MonitorExchange(ctx.cfg, ctx.rank, ctx.world, ctx.counters)
+    if ctx.rank != 0:
+        return
+    from ..monitor.detector import CollapseDetector
+    from .loggers import ExperimentLoggers
+
+    cfg = ctx.cfg
+    ctx.exchange.detector = CollapseDetector(cfg.monitor)
+    if cfg.monitor.enabled and cfg.monitor.address:
+        from ..monitor.client import MonitorClient
+
+        ctx.exchange.monitor = MonitorClient.from_config(cfg.monitor, output_dir=str(ctx.out_dir))
+    ctx.loggers = ExperimentLoggers(cfg, ctx.out_dir, run_config=to_dict(cfg))
 
 
 def load_data(cfg: JobConfig, known_tasks: set) -> tuple[list, list]:

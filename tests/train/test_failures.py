@@ -72,6 +72,37 @@ def test_an_engine_failing_on_one_rank_saves_a_checkpoint_and_stops_every_rank(t
     assert evals == list(range(done + 1 if during == "rollouts" else done))  # before RL, then after each iteration
 
 
+def _setup_failing_rank(rank, world, out):
+    """The experiment loggers fail to start, after the rollout engine did."""
+    import dpcc_megatron.train.loggers as loggers
+    import dpcc_megatron.train.setup as setup
+
+    closed, real_build = [], setup.build_rollout_engine
+
+    def build(ctx):
+        engine = real_build(ctx)
+        real_close = engine.close
+        engine.close = lambda: closed.append("engine") or real_close()
+        return engine
+
+    def no_loggers(*a, **k):
+        raise OSError("the logging directory is read-only")
+
+    setup.build_rollout_engine, loggers.ExperimentLoggers = build, no_loggers
+    try:
+        setup.setup_run(_cfg(Path(out)))
+    except OSError as e:
+        return str(e), closed
+    return None, closed
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_set_up_that_fails_after_the_engine_started_closes_it(tmp_path):
+    (error, closed), = run_multirank(_setup_failing_rank, 1, args=(str(tmp_path),), timeout=300)
+    assert error == "the logging directory is read-only" and closed == ["engine"]
+
+
 class _Part:
     def __init__(self, log, name, fail=False):
         self.log, self.name, self.fail = log, name, fail
