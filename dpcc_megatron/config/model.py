@@ -116,7 +116,7 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel layout. Data parallelism is whatever the world size leaves over.
 
-    Read by: dpcc_megatron/megatron/, dpcc_megatron/train/context.py.
+    Read by: dpcc_megatron/megatron/, dpcc_megatron/train/setup.py.
     """
 
     tensor_model_parallel_size: int = 1

@@ -47,8 +47,8 @@ def parse_hostport(value: str) -> tuple[str, int]:
 class MonitorConfig:
     """Metrics sidecar, trainer-side client and collapse detector.
 
-    Read by: dpcc_megatron/monitor/, dpcc_megatron/train/context.py, dpcc_megatron/train/control.py,
-    dpcc_megatron/train/trainer.py, dpcc_megatron/commands/monitor.py.
+    Read by: dpcc_megatron/monitor/, dpcc_megatron/train/monitor_exchange.py, dpcc_megatron/train/checkpoints.py,
+    dpcc_megatron/train/control.py, dpcc_megatron/train/trainer.py, dpcc_megatron/commands/monitor.py.
     """
 
     # --- process, transport, storage -------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .policy_step import RLBatch
+    from .rl_batch import RLBatch
 
 
 def used_lengths(mask: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..distributed import any_rank
+
 
 def _routers(chunks) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
@@ -120,7 +122,7 @@ def moe_metrics(stats: Optional[RouterStats], *, dp_group, pp_group, num_micro_b
         if name in tracker:
             values = tracker[name]["values"].detach().to(torch.float64).cpu()
         values = _reduce_aux(values, name, tp_group, dp_group, pp_group)
-        if _any_rank(name in tracker):  # collective on every rank
+        if any_rank(name in tracker):  # collective on every rank
             out[f"moe_{name}"] = float(values.sum()) / (kept.shape[0] * max(num_micro_batches, 1))
     return out
 
@@ -145,14 +147,6 @@ def moe_reductions(keys) -> dict:
 def moe_record_fields(merged: dict) -> dict:
     """The MoE fields of an iteration's record, from its combined step metrics."""
     return {k: float(v) for k, v in merged.items() if k.startswith("moe_")}
-
-
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def _reduce_aux(values: torch.Tensor, name: str, tp_group, dp_group, pp_group) -> torch.Tensor:

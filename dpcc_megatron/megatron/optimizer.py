@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from ..config import OptimizerConfig, ParallelConfig, PrecisionConfig
+from ..distributed import any_rank
 
 
 def wrap_ddp(chunks, transformer_config, parallel: ParallelConfig):
@@ -106,11 +106,7 @@ def grads_are_finite(chunks, group=None) -> bool:
             if g is not None and not torch.isfinite(g).all():
                 bad.fill_(1.0)
                 break
-    if torch.cuda.is_available():
-        bad = bad.cuda()
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return bool(bad.item() == 0)
+    return not any_rank(bool(bad.item()), group)
 
 
 def zero_grads(chunks, optimizer) -> None:

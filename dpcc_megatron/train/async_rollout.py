@@ -47,7 +47,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .rollout import finish_rollouts, rollout_request, score_rollouts, _sampling
+from ..distributed import reduce_values
+from .refit import agreed
+from .rollout import finish_rollouts, rollout_request, sampling_params, score_rollouts
 from .sampling import IterationSamples, sample_iteration
 
 _STATE_VERSION = 1
@@ -179,14 +181,14 @@ class RolloutPipeline:
             return _Request(iteration, version, snapshot=[p.detach().to("cpu", copy=True) for p in _params(ctx.chunks)])
         for other in self.inflight.values():  # the engine is refit only when idle
             other.wait()
-        ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)
+        ctx.weights.refit()
         prompts = ctx.dataset.next_batch(ctx.cfg.rollout.prompts_per_iteration)
         req = _Request(iteration, version, prompts=prompts, request=rollout_request(ctx, prompts, iteration))
         self._start(ctx, req)
         return req
 
     def _start(self, ctx, req: _Request) -> None:
-        sampling = _sampling(ctx, greedy=False, seed=req.request.seed)
+        sampling = sampling_params(ctx, greedy=False, seed=req.request.seed)
 
         def run():
             try:
@@ -202,10 +204,11 @@ class RolloutPipeline:
             with _Swapped(ctx.chunks, req.snapshot):
                 ctx.engine.weight_version = None  # the engine serves the snapshot now, the current weights after
                 try:
+                    ctx.weights.refit()
                     return sample_iteration(ctx, req.iteration)
                 finally:
                     ctx.engine.weight_version = None
-        req.wait()
+        agreed(ctx.weights.rank, req.wait)  # a generation that failed on any rank stops every rank
         rollouts = finish_rollouts(ctx, req.request, req.generation)
         return IterationSamples(rollouts, score_rollouts(ctx, rollouts), len(req.prompts))
 
@@ -277,10 +280,5 @@ def _global_behaviour_kl(ctx, batch, behaviour_kl) -> float:
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     n = float(mask.sum()) if last else 0.0
     total = behaviour_kl(batch.old_logprobs, batch.sampler_logprobs, mask) * n if last and n else 0.0
-    t = torch.tensor([total, n], dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    t = t.cpu()
-    return float(t[0] / t[1]) if float(t[1]) > 0 else 0.0
+    total, n = reduce_values([total, n], "sum")
+    return total / n if n > 0 else 0.0

@@ -28,10 +28,11 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..data.formats import load_prompts
 from ..data.prompts import Prompt, synthetic_prompts
+from ..distributed import reduce_values
+from .rollout import encode_prompts, generate, reward_samples, unpack
 
 EVAL_SEED = 8_675_309
 #: Evaluation metrics the next iteration record carries, prefixed ``eval_`` (:meth:`Evaluator.record_fields`).
@@ -91,19 +92,22 @@ class Evaluator:
         return self.enabled and self.cfg.interval > 0 and iteration % self.cfg.interval == 0
 
     def run(self, iteration: int) -> Optional[dict]:
-        """Evaluate the current weights; ``iteration``: completed iterations. Same dict on every rank."""
+        """Evaluate the current weights; ``iteration``: completed iterations. Same dict on every rank.
+
+        Collective. The engine is refit first when the weights changed since its last refit; a refit
+        that does not take or a dead engine raises :class:`~dpcc_megatron.rollout.engine.EngineFailure`
+        on every rank."""
         if not self.enabled:
             return None
-        from .rollout import _encode_prompts, _generate, _samples, _unpack
-
         ctx = self.ctx
         t0 = time.time()
+        ctx.weights.refit()  # the engine serves the weights being evaluated (only when they changed)
         mine = self.prompts[ctx.dp_rank::ctx.dp]
-        ids = _encode_prompts(ctx, mine)
+        ids = encode_prompts(ctx, mine)
         sums: dict[str, float] = {}
         if self.cfg.greedy:
-            out = _generate(ctx, ids, greedy=True, seed=0)
-            base, lens, done = self._score(out, mine, 1, _unpack, _samples)
+            out = generate(ctx, ids, greedy=True, seed=0)
+            base, lens, done = self._score(out, mine, 1)
             sums["reward_greedy"] = float(base.sum())
             sums["accuracy_greedy"] = float((base >= self.cfg.pass_threshold).sum())
             sums["response_len_greedy"] = float(lens.sum())
@@ -112,8 +116,8 @@ class Evaluator:
         if n > 0:
             expanded = [p for p in mine for _ in range(n)]
             seed = ctx.cfg.train.seed * 1_000_003 + EVAL_SEED + ctx.dp_rank
-            out = _generate(ctx, [i for i in ids for _ in range(n)], greedy=False, seed=seed)
-            base, lens, done = self._score(out, expanded, n, _unpack, _samples)
+            out = generate(ctx, [i for i in ids for _ in range(n)], greedy=False, seed=seed)
+            base, lens, done = self._score(out, expanded, n)
             sums["reward_sampled"] = float(base.sum()) / n
             sums["response_len_sampled"] = float(lens.sum()) / n
             passed = (base >= self.cfg.pass_threshold).view(-1, n).sum(1).tolist() if len(base) else []
@@ -127,7 +131,7 @@ class Evaluator:
         self._publish(iteration, metrics, time.time() - t0)
         return metrics
 
-    def _score(self, out, prompts, group: int, unpack, samples):
+    def _score(self, out, prompts, group: int):
         """Per-answer base reward, length and finished flag on the model-parallel rank 0 (zeros elsewhere)."""
         ctx = self.ctx
         responses, _, finished = unpack(out, len(prompts))
@@ -137,17 +141,13 @@ class Evaluator:
         if ctx.mp_rank != 0 or not prompts:
             return base, lens * 0, done * 0
         texts = [ctx.tokenizer.decode(r) for r in responses]
-        res = ctx.reward.score(samples(ctx, prompts, texts, responses, [i // group for i in range(len(prompts))]),
+        res = ctx.reward.score(reward_samples(prompts, texts, responses, [i // group for i in range(len(prompts))]),
                                update=False)
         return res.base.double(), lens, done
 
     def _reduce(self, sums: dict) -> dict:
         keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
-        if dist.is_initialized():
-            dist.all_reduce(t)
-        return dict(zip(keys, t.cpu().tolist()))
+        return dict(zip(keys, reduce_values([sums[k] for k in keys], "sum")))
 
     def record_fields(self, iteration: int) -> dict:
         """``eval_<metric>`` of the evaluation taken on the weights iteration ``iteration`` samples with (after
@@ -169,5 +169,12 @@ class Evaluator:
         print(f" eval after {iteration} iterations | {parts} | s: {seconds:.2f}", flush=True)
         if ctx.loggers is not None:
             ctx.loggers.log({f"eval/{k}": v for k, v in metrics.items()}, iteration)
-        if ctx.monitor is not None:
-            ctx.monitor.send({"iteration": iteration, **metrics}, kind="eval")
+        if ctx.exchange is not None:
+            ctx.exchange.send_eval(iteration, metrics)
+
+
+def evaluate_greedy(ctx, iteration: int = 0):
+    """Run the held-out evaluation after ``iteration`` completed iterations; returns its greedy reward
+    (None when evaluation is off or eval.greedy is false)."""
+    metrics = ctx.evaluator.run(iteration) if ctx.evaluator is not None else None
+    return None if metrics is None else metrics.get("reward_greedy")

@@ -35,7 +35,7 @@ def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
     statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift."""
     from ..megatron.precision import mismatch_stats
 
-    # The trainer hands these over on the host (RunContext.logprobs); a caller with device outputs
+    # The trainer hands these over on the host (train/passes.py); a caller with device outputs
     # still gets one device: the masks and the sampler's log-probs follow the outputs.
     device = old_lp.device
     mask = batch.mask.to(device)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.policy_step import RLBatch
+from .refit import agreed
 
 
 def pack_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):
@@ -74,7 +75,7 @@ class RolloutBatch:
         return out
 
 
-def _encode_prompts(ctx, prompts) -> list[list[int]]:
+def encode_prompts(ctx, prompts) -> list[list[int]]:
     """Token ids of each prompt: chat template (data.chat_template) or raw, BOS as the tokenizer says.
     Prompts longer than data.max_prompt_len keep their end (it holds the question) and are counted."""
     out = []
@@ -92,7 +93,9 @@ def _encode_prompts(ctx, prompts) -> list[list[int]]:
     return out
 
 
-def _sampling(ctx, *, greedy: bool, seed: int):
+def sampling_params(ctx, *, greedy: bool, seed: int):
+    """The engine's :class:`~dpcc_megatron.rollout.engine.Sampling`: greedy, or at the rollout's temperature,
+    top-p and top-k, with ``seed``."""
     from ..rollout.engine import Sampling
 
     r = ctx.cfg.rollout
@@ -100,15 +103,17 @@ def _sampling(ctx, *, greedy: bool, seed: int):
                     top_p=r.top_p, top_k=r.top_k, seed=seed, stop_token_ids=tuple(sorted(ctx.tokenizer.stop_ids)))
 
 
-def _generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
-    """Through the rollout engine's interface only: generate from the current weights (the trainer refits
-    the engine after its optimizer steps; this refits only if the weights changed since, e.g. a rollback)."""
-    sampling = _sampling(ctx, greedy=greedy, seed=seed)
-    ctx.engine.refit_if_stale(ctx.chunks, ctx.weight_version)  # never generate from stale weights
-    return ctx.engine.generate(prompt_ids, sampling)
+def generate(ctx, prompt_ids: list[list[int]], *, greedy: bool, seed: int):
+    """Through the rollout engine's interface only: one response per prompt from the current weights,
+    which the engine must already serve (the trainer and the evaluator refit it first: ``ctx.weights``).
+    Collective: a generation that fails on any rank raises :class:`~dpcc_megatron.rollout.engine.EngineFailure`
+    on every rank."""
+    ctx.weights.check_fresh()  # never generate from stale weights
+    sampling = sampling_params(ctx, greedy=greedy, seed=seed)
+    return agreed(ctx.weights.rank, lambda: ctx.engine.generate(prompt_ids, sampling))  # a failure stops every rank
 
 
-def _unpack(out, n: int):
+def unpack(out, n: int):
     """Responses, their sampler-side temperature-1 policy log-probs (what the trainer recomputes,
     so the difference is pure sampler/trainer mismatch), and whether each stopped at a stop id."""
     return out.responses[:n], out.logprobs[:n], out.finished[:n]
@@ -128,14 +133,14 @@ def rollout_request(ctx, prompts, iteration: int, round_index: int = 0) -> Rollo
     G = ctx.cfg.rollout.group_size
     mine = prompts[ctx.dp_rank::ctx.dp]
     expanded = [p for p in mine for _ in range(G)]
-    prompt_ids = [ids for ids in _encode_prompts(ctx, mine) for _ in range(G)]
+    prompt_ids = [ids for ids in encode_prompts(ctx, mine) for _ in range(G)]
     seed = ctx.cfg.train.seed * 1_000_003 + iteration * 1009 + ctx.dp_rank + round_index * 104_729
     return RolloutRequest(expanded, prompt_ids, seed)
 
 
 def finish_rollouts(ctx, request: RolloutRequest, generation) -> "RolloutBatch":
     """The engine's :class:`~dpcc_megatron.rollout.engine.Generation` of ``request`` as a batch."""
-    responses, logprobs, finished = _unpack(generation, len(request.prompt_ids))
+    responses, logprobs, finished = unpack(generation, len(request.prompt_ids))
     texts = [ctx.tokenizer.decode(r) for r in responses]
     routing = None if generation.routing is None else generation.routing[:len(request.prompt_ids)]
     return RolloutBatch(request.prompts, request.prompt_ids, responses, texts, logprobs, finished,
@@ -145,7 +150,7 @@ def finish_rollouts(ctx, request: RolloutRequest, generation) -> "RolloutBatch":
 def make_rollouts(ctx, prompts, iteration: int, round_index: int = 0) -> RolloutBatch:
     """G samples for this DP rank's share of ``prompts`` (``round_index``: dynamic sampling's round)."""
     req = rollout_request(ctx, prompts, iteration, round_index)
-    return finish_rollouts(ctx, req, _generate(ctx, req.prompt_ids, greedy=False, seed=req.seed))
+    return finish_rollouts(ctx, req, generate(ctx, req.prompt_ids, greedy=False, seed=req.seed))
 
 
 @dataclass
@@ -184,7 +189,8 @@ class Rewards:
         return [self.weights_dict["base"], self.weights_dict["advanced"]] if self.per_component else None
 
 
-def _samples(ctx, prompts, texts, response_ids, group_ids):
+def reward_samples(prompts, texts, response_ids, group_ids) -> list:
+    """The reward layer's :class:`~dpcc_megatron.rewards.Sample` of each response (its prompt's task fields)."""
     from ..rewards import Sample
 
     out = []
@@ -207,8 +213,8 @@ def score_rollouts(ctx, rollouts: RolloutBatch, *, pending: Optional[list] = Non
     G = ctx.cfg.rollout.group_size
     payload = None
     if ctx.mp_rank == 0:
-        samples = _samples(ctx, rollouts.prompts, rollouts.texts, rollouts.response_ids,
-                           [i // G for i in range(len(rollouts.texts))])
+        samples = reward_samples(rollouts.prompts, rollouts.texts, rollouts.response_ids,
+                                 [i // G for i in range(len(rollouts.texts))])
         res = ctx.reward.score(samples, update=pending is None)
         if pending is None:
             ctx.reward.push_buffer(samples, res)
@@ -251,9 +257,3 @@ def _shared_rewards(ctx, payload, broadcast: bool = True) -> Rewards:
     total, base, adv, weights, metrics, components = payload
     return Rewards(total, base, adv, weights, metrics, ctx.cfg.loss.advantage_per_component, components)
 
-
-def evaluate_greedy(ctx, iteration: int = 0):
-    """Run the held-out evaluation (train/evaluate.py) after ``iteration`` completed iterations; returns
-    its greedy reward (None when evaluation is off or eval.greedy is false)."""
-    metrics = ctx.evaluator.run(iteration) if ctx.evaluator is not None else None
-    return None if metrics is None else metrics.get("reward_greedy")

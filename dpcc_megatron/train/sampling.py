@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import every_rank, reduce_values
 from .rollout import RolloutBatch, Rewards, advance_rounds, make_rollouts, score_rollouts
 
 
@@ -90,7 +90,7 @@ def sample_iteration(ctx, iteration: int) -> IterationSamples:
         rounds.append((rollouts, rewards))
         flags.append(informative_groups(rewards.base, G))  # the rule track: independent of the weights
         full = sum(int(f.sum()) for f in flags) >= need
-        if _all_ranks(full):
+        if every_rank(full):
             break
     rounds = [(ro, rw) for (ro, _), rw in zip(rounds, advance_rounds(ctx, pending))]
     picked = choose_groups(flags, need)
@@ -109,27 +109,14 @@ def sample_iteration(ctx, iteration: int) -> IterationSamples:
     return IterationSamples(rollouts, rewards, P * len(rounds), _sum_over_dp(ctx, metrics, sums), padded)
 
 
-def _all_ranks(flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0])
-    if torch.cuda.is_available():
-        t = t.cuda()
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item() > 0)
-
-
 def _sum_over_dp(ctx, metrics: dict, sums: dict) -> dict:
     """Group counts over all DP ranks; the reward mean averaged over them (equal sample counts); the
     rule-track mean, std and zero-variance group share of everything sampled on every DP rank."""
     keys = [k for k in metrics if k.endswith("_groups")]
-    t = torch.tensor([float(metrics[k]) for k in keys] + [metrics["reward_mean_sampled"]] + list(sums.values()),
-                     dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    if dist.is_initialized() and ctx.dp > 1:
-        dist.all_reduce(t, group=ctx.dp_group)
+    t = reduce_values([float(metrics[k]) for k in keys] + [metrics["reward_mean_sampled"]] + list(sums.values()),
+                      "sum", ctx.dp_group if ctx.dp > 1 else None)
+    if ctx.dp > 1:
         t[len(keys)] /= ctx.dp
-    t = t.cpu()
     out = dict(metrics)
     out.update({k: int(round(float(v))) for k, v in zip(keys, t[:len(keys)])})
     out["reward_mean_sampled"] = float(t[len(keys)])

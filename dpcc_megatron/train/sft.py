@@ -42,10 +42,10 @@ def _prompts_for_step(ctx, step: int) -> list:
 
 
 def sft_batch(ctx, step: int) -> RLBatch:
-    from .rollout import _encode_prompts, pack_sequences
+    from .rollout import encode_prompts, pack_sequences
 
     mine = _prompts_for_step(ctx, step)[ctx.dp_rank::ctx.dp]
-    pids = _encode_prompts(ctx, mine)
+    pids = encode_prompts(ctx, mine)
     chat = ctx.cfg.data.chat_template
     limit = ctx.cfg.model.max_seq_len
     rids = []

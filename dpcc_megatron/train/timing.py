@@ -131,15 +131,9 @@ class PhaseTimer:
 
 
 def _max_over_ranks(*values: float) -> list[float]:
-    import torch.distributed as dist
+    from ..distributed import reduce_values
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.cpu()]
+    return reduce_values(values, "max")
 
 
 def console_fields(r: dict) -> str:

@@ -7,7 +7,7 @@ from dpcc_megatron.config import load_config
 from dpcc_megatron.launch.memory import Layout, ModelShape, Workload, estimate, stage_expert_params
 from dpcc_megatron.launch.plan import PlanOptions, model_shape, plan_layout
 from dpcc_megatron.launch.throughput import Hardware
-from dpcc_megatron.train.context import _check_batch_layout
+from dpcc_megatron.train.setup import check_batch_layout
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QWEN3_30B_A3B = ModelShape(num_layers=48, hidden=2048, ffn=6144, heads=32, kv_groups=4, head_dim=128, vocab=151936,
@@ -58,7 +58,7 @@ def test_examples_have_the_quoted_planner_figures(name, gpus, mem, fits, peak):
     plan = plan_layout(cfg, PlanOptions(gpus=gpus, hardware=Hardware(gpu_mem_gib=mem)))
     assert plan.problems == [] and plan.fits == fits
     assert plan.peak_gib == pytest.approx(peak, abs=0.01), "update the figures in the example's header"
-    _check_batch_layout(cfg, plan.layout.dp)
+    check_batch_layout(cfg, plan.layout.dp)
 
 
 def test_expert_layout_problems_name_the_keys():

@@ -16,7 +16,7 @@ from dpcc_megatron.config import load_config
 from dpcc_megatron.launch.memory import GIB, Layout, ModelShape, Workload, estimate, peak_stage
 from dpcc_megatron.launch.plan import PlanOptions, plan_layout
 from dpcc_megatron.testing.shrink import shrink_for_cpu
-from dpcc_megatron.train.context import _check_batch_layout
+from dpcc_megatron.train.setup import check_batch_layout
 
 LLAMA3_70B = ModelShape(num_layers=80, hidden=8192, ffn=28672, heads=64, kv_groups=8, head_dim=128, vocab=128256)
 LLAMA31_405B = ModelShape(num_layers=126, hidden=16384, ffn=53248, heads=128, kv_groups=8, head_dim=128,
@@ -69,7 +69,7 @@ def test_trainer_accepts_the_batch_layout_the_planner_accepts(name):
     cfg = load_config(EXAMPLES / name)
     plan = plan_layout(cfg, PlanOptions(gpus=SHIPPED[name]))
     assert plan.problems == []
-    _check_batch_layout(cfg, plan.layout.dp)  # the trainer's own checks at the planned DP (raises if not)
+    check_batch_layout(cfg, plan.layout.dp)  # the trainer's own checks at the planned DP (raises if not)
     if cfg.parallel.virtual_pipeline_model_parallel_size:
         assert plan.work.num_microbatches % cfg.parallel.pipeline_model_parallel_size == 0
 
@@ -84,7 +84,7 @@ def test_the_shrunk_cpu_layout_of_each_example_is_one_the_planner_accepts(name, 
     assert plan.problems == [] and plan.layout.dp == 1
     assert plan.layout.sequence_parallel == par.sequence_parallel
     assert plan.layout.vpp == par.virtual_pipeline_model_parallel_size
-    _check_batch_layout(cfg, plan.layout.dp)
+    check_batch_layout(cfg, plan.layout.dp)
 
 
 def test_planner_and_trainer_both_refuse_an_interleaved_batch_layout_megatron_cannot_run():
@@ -94,7 +94,7 @@ def test_planner_and_trainer_both_refuse_an_interleaved_batch_layout_megatron_ca
     plan = plan_layout(cfg, PlanOptions(gpus=64))
     assert any("interleaved schedule" in p for p in plan.problems), plan.problems
     with pytest.raises(ValueError, match=r"train\.mini_batch_size.*train\.micro_batch_size"):
-        _check_batch_layout(cfg, plan.layout.dp)
+        check_batch_layout(cfg, plan.layout.dp)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

@@ -12,6 +12,7 @@ from dpcc_megatron.algo import DPCCController
 from dpcc_megatron.rollout.engine import Generation, RefitByVersion
 from dpcc_megatron.train import async_rollout
 from dpcc_megatron.train.async_rollout import RolloutPipeline, overlap_possible
+from dpcc_megatron.train.refit import EngineWeights
 
 
 class _Tok:
@@ -59,22 +60,26 @@ class _Ctx:
                                           "train.mini_batch_size=4", "train.micro_batch_size=2"])
         self.dp, self.dp_rank, self.mp_rank, self.mp_group, self.dp_group = 1, 0, 0, None, None
         self.chunks = [torch.nn.Linear(1, 1, bias=False)]
-        self.set_version(0)
         self.tokenizer, self.counters = _Tok(), {"prompts_truncated": 0}
         self.dataset = PromptDataset(synthetic_prompts("addition", 1, 64, seed=1), seed=1)
         self.reward = DualTrackReward(self.cfg.reward)
         self.engine = _Engine(engine, self.chunks, gate)
+        self.weights = EngineWeights(self.engine, self.chunks)
+        self.set_version(0)
 
     def set_version(self, v):
         with torch.no_grad():
             self.chunks[0].weight.fill_(float(v))
-        self.weight_version = v  # the trainer's weight version moves with the weights
+        self.weights.version = v  # the trainer's weight version moves with the weights
 
 
 def _loop(ctx, pipe, iterations, start=0):
-    """The trainer's order: take, submit ahead, "update" (the weights become version i + 1)."""
+    """The trainer's order: refit (unless overlapping), take, submit ahead, "update" (the weights become
+    version i + 1)."""
     out = []
     for i in range(start, iterations):
+        if not pipe.overlapping:
+            ctx.weights.refit()
         s = pipe.take(ctx, i)
         pipe.submit_ahead(ctx, i, iterations)
         assert float(ctx.chunks[0].weight) == i  # the current weights are back after a snapshot
@@ -89,8 +94,11 @@ def test_k0_is_the_synchronous_loop(monkeypatch):
     seen = []
     real = async_rollout.sample_iteration
     monkeypatch.setattr(async_rollout, "sample_iteration", lambda c, i: seen.append(real(c, i)) or seen[-1])
+    with pytest.raises(RuntimeError, match="refit it"):  # generating from weights the engine does not serve
+        pipe.take(ctx, 0)
+    ctx.weights.refit()
     s = pipe.take(ctx, 0)
-    assert s is seen[0] and s.weight_version is None  # exactly what the synchronous loop samples
+    assert s is seen[-1] and s.weight_version is None  # exactly what the synchronous loop samples
     pipe.submit_ahead(ctx, 0, 5)
     assert not pipe.inflight and pipe.state_dict() is None
     ctl = DPCCController(ctx.cfg.loss.dpcc, 10)

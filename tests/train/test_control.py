@@ -96,10 +96,14 @@ def test_act_on_chooses_which_advice_the_trainer_carries_out_and_is_validated():
 
 
 def _exchange(act_on, confirmed, tmp_path, capsys):
-    """RunContext.monitor_exchange on rank 0 with a detector that raises one alert; returns (advice, log)."""
+    """MonitorExchange.exchange on rank 0 with a detector that raises one alert; returns (advice, the run's
+    checkpoints, its exchange, log)."""
+    from types import SimpleNamespace
+
     from dpcc_megatron.config import load_config
     from dpcc_megatron.monitor.alerts import Alert
-    from dpcc_megatron.train.context import RunContext
+    from dpcc_megatron.train.checkpoints import Checkpoints
+    from dpcc_megatron.train.monitor_exchange import MonitorExchange
 
     class Detector:
         last_healthy_iteration = 4
@@ -108,22 +112,21 @@ def _exchange(act_on, confirmed, tmp_path, capsys):
             return [Alert(rule="kl_drift", severity="critical", iteration=record["iteration"], message="KL high",
                           metric="kl_step_max", window=[[5, 3.0]], confirmed=confirmed)]
 
-    ctx = object.__new__(RunContext)
-    ctx.cfg = load_config(overrides=[f"monitor.act_on={act_on}", "monitor.enabled=false",
-                                     "monitor.control_enabled=true", f"checkpoint.dir={tmp_path}"])
-    ctx.rank, ctx.world, ctx.monitor, ctx.alerts, ctx.detector = 0, 1, None, [], Detector()
-    advice = ctx.monitor_exchange({"iteration": 5})
-    return advice, ctx, capsys.readouterr().out
+    cfg = load_config(overrides=[f"monitor.act_on={act_on}", "monitor.enabled=false",
+                                 "monitor.control_enabled=true", f"checkpoint.dir={tmp_path}"])
+    exchange = MonitorExchange(cfg, 0, 1, {}, Detector())
+    advice = exchange.exchange({"iteration": 5})
+    return advice, Checkpoints(SimpleNamespace(cfg=cfg)), exchange, capsys.readouterr().out
 
 
 def test_advice_not_acted_on_is_logged_and_never_reaches_the_loop(tmp_path, capsys):
-    advice, ctx, out = _exchange("all", False, tmp_path, capsys)
-    assert advice == ("reduce_lr", 0.5, None) and ctx.can_roll_back()
-    advice, ctx, out = _exchange("confirmed", False, tmp_path, capsys)
+    advice, ckpt, exchange, out = _exchange("all", False, tmp_path, capsys)
+    assert advice == ("reduce_lr", 0.5, None) and ckpt.can_roll_back()
+    advice, ckpt, exchange, out = _exchange("confirmed", False, tmp_path, capsys)
     assert advice is None and "not acted on (monitor.act_on: confirmed): reduce_lr" in out
-    advice, ctx, out = _exchange("confirmed", True, tmp_path, capsys)
-    assert advice[0] == "rollback" and advice[2] == 4 and ctx.can_roll_back()
-    advice, ctx, out = _exchange("none", True, tmp_path, capsys)
+    advice, ckpt, exchange, out = _exchange("confirmed", True, tmp_path, capsys)
+    assert advice[0] == "rollback" and advice[2] == 4 and ckpt.can_roll_back()
+    advice, ckpt, exchange, out = _exchange("none", True, tmp_path, capsys)
     assert advice is None and "not acted on (monitor.act_on: none): rollback" in out
-    assert "ALERT critical kl_drift" in out and len(ctx.alerts) == 1  # the alert itself is reported as ever
-    assert not ctx.can_roll_back()  # no start checkpoint, no retention for a rollback that cannot come
+    assert "ALERT critical kl_drift" in out and len(exchange.alerts) == 1  # the alert itself is reported as ever
+    assert not ckpt.can_roll_back()  # no start checkpoint, no retention for a rollback that cannot come

@@ -57,9 +57,7 @@ def _run_rank(rank, world, out, tok, train, held_out, overrides):
         return ctx
 
     trainer.setup_run = setup
-    import dpcc_megatron.train.sft as sft
-
-    real_sft = sft.sft_batch
+    real_sft = trainer.sft_batch
     batches = []
 
     def spy(ctx, step):
@@ -67,7 +65,7 @@ def _run_rank(rank, world, out, tok, train, held_out, overrides):
         batches.append(b)
         return b
 
-    sft.sft_batch = spy
+    trainer.sft_batch = spy
     summary = trainer.train(_cfg(Path(out), tok, train, held_out, **overrides))
     ctx = captured["ctx"]
     first = batches[0]

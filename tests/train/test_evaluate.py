@@ -70,7 +70,7 @@ def test_the_next_record_takes_each_evaluation_once():
     from dpcc_megatron.config import load_config
     from dpcc_megatron.train.evaluate import Evaluator
 
-    ctx = SimpleNamespace(cfg=load_config(), eval_prompts=["p"], rank=1, loggers=None, monitor=None)
+    ctx = SimpleNamespace(cfg=load_config(), eval_prompts=["p"], rank=1, loggers=None, exchange=None)
     ev = Evaluator(ctx)
     assert ev.record_fields(0) == {}  # nothing evaluated yet
     ev._publish(3, {"reward_greedy": 0.5, "pass_at_1": 0.25, "response_len_greedy": 2.0, "prompts": 4}, 0.1)

@@ -103,11 +103,13 @@ def test_announce_resolves_a_checkpoint_root_and_stays_quiet_off_rank_0(tmp_path
 
 
 def _ctx(overrides):
-    from dpcc_megatron.train.context import RunContext
+    from types import SimpleNamespace
 
-    ctx = object.__new__(RunContext)
-    ctx.cfg, ctx.rank = load_config(overrides=overrides), 0
-    return ctx
+    from dpcc_megatron.train.checkpoints import Checkpoints
+
+    ckpt = object.__new__(Checkpoints)
+    ckpt.ctx = SimpleNamespace(cfg=load_config(overrides=overrides), rank=0)
+    return ckpt
 
 
 def test_starting_into_a_directory_of_another_run_says_so(tmp_path, capsys):

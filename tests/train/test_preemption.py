@@ -13,19 +13,18 @@ from .test_train_e2e import _cfg
 
 def _signalled_rank(rank, world, out, overrides):
     import dpcc_megatron.train.trainer as trainer
-    from dpcc_megatron.train.context import RunContext
 
     evals = []
     real_eval = trainer.evaluate_greedy
     trainer.evaluate_greedy = lambda ctx: evals.append(1) or real_eval(ctx)
-    real_record = RunContext.iteration_record
+    real_record = trainer.build_record
 
-    def record(self, iteration, *a, **k):
+    def record(ctx, iteration, *a, **k):
         if iteration == 0 and rank == 1:  # one rank is told; every rank must stop
             os.kill(os.getpid(), signal.SIGUSR1)
-        return real_record(self, iteration, *a, **k)
+        return real_record(ctx, iteration, *a, **k)
 
-    RunContext.iteration_record = record
+    trainer.build_record = record
     summary = trainer.train(_cfg(Path(out), **overrides))
     return summary, len(evals)
 

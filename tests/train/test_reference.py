@@ -27,17 +27,16 @@ def _ref_rank(rank, world, out, overrides):
 
     def setup(cfg):
         ctx = real_setup(cfg)
-        real_build = ctx.build_rl_optimizer
-
-        def build_rl_optimizer(total):  # RL starts here: the policy as the reference must be
-            seen["policy_at_rl_start"] = [p.detach().clone() for c in ctx.chunks for p in c.parameters()]
-            return real_build(total)
-
-        ctx.build_rl_optimizer = build_rl_optimizer
         seen["ctx"] = ctx
         return ctx
 
-    trainer.setup_run = setup
+    real_build = trainer.build_rl_optimizer
+
+    def build_rl_optimizer(ctx, total):  # RL starts here: the policy as the reference must be
+        seen["policy_at_rl_start"] = [p.detach().clone() for c in ctx.chunks for p in c.parameters()]
+        return real_build(ctx, total)
+
+    trainer.setup_run, trainer.build_rl_optimizer = setup, build_rl_optimizer
     cfg = _cfg(Path(out), **overrides)
     summary = trainer.train(cfg)
     ref = seen["ctx"].reference

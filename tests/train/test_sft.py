@@ -66,13 +66,13 @@ def test_run_setup_refuses_bad_data_before_the_model_is_built(tmp_path):
     """setup_run's data step: the old plain layout without `task`, unknown tasks, and the warm-start."""
     from dpcc_megatron.data.formats import DataError
     from dpcc_megatron.rewards import DualTrackReward
-    from dpcc_megatron.train.context import _load_data
+    from dpcc_megatron.train.setup import load_data
 
     def load(lines, *over):
         path = tmp_path / "p.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in lines))
         cfg = load_config(overrides=[f"data.prompts={path}", *over])
-        return _load_data(cfg, set(DualTrackReward(cfg.reward).base_layer.tasks))
+        return load_data(cfg, set(DualTrackReward(cfg.reward).base_layer.tasks))
 
     with pytest.raises(DataError, match=r"p\.jsonl:1: the record has no task type"):
         load([{"prompt": "1+1=", "answer": "2"}])

@@ -177,7 +177,7 @@ def _train_with_detector(detector, out, overrides):
 
     def setup(cfg):
         ctx = real_setup(cfg)
-        ctx.detector = detector
+        ctx.exchange.detector = detector
         return ctx
 
     trainer.setup_run = setup

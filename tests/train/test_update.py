@@ -2,8 +2,6 @@
 steps, and the monitor advice fallback."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -93,26 +91,22 @@ class _SlowSidecar:
         return None  # the sidecar saw nothing to advise
 
 
-def _ctx(monitor, wait: float):
-    from dpcc_megatron.train.context import RunContext
+def _exchange(monitor, wait: float):
+    from dpcc_megatron.train.monitor_exchange import MonitorExchange
 
     cfg = load_config(overrides=[f"monitor.advice_wait_s={wait}"])
-    ctx = RunContext(cfg=cfg, rank=0, world=1, dp=1, dp_rank=0, mp_rank=0, dp_group=None, pp_group=None,
-                     tp_group=None, mp_group=None, chunks=[], tokenizer=None, dataset=None, eval_prompts=[],
-                     reward=None, vocab_size=8, out_dir=Path("."))
-    ctx.detector, ctx.monitor = _Detector(), monitor
-    return ctx
+    return MonitorExchange(cfg, 0, 1, {"advice_fallbacks": 0}, _Detector(), monitor)
 
 
 def test_monitor_advice_falls_back_to_the_local_detector_when_the_sidecar_is_late(capsys):
-    ctx = _ctx(_SlowSidecar(delivered=False), wait=0.1)
-    advice = ctx.monitor_exchange({"iteration": 5})
+    ex = _exchange(_SlowSidecar(delivered=False), wait=0.1)
+    advice = ex.exchange({"iteration": 5})
     assert advice is not None and advice[0] == "reduce_lr"  # the local detector's kl_drift advice
-    assert ctx.counters["advice_fallbacks"] == 1 and ctx.monitor.sent == [5]
+    assert ex.counters["advice_fallbacks"] == 1 and ex.monitor.sent == [5]
     assert "monitor.advice_wait_s" in capsys.readouterr().out
 
 
 def test_monitor_advice_comes_from_the_sidecar_once_it_acknowledged():
-    ctx = _ctx(_SlowSidecar(delivered=True), wait=0.1)
-    assert ctx.monitor_exchange({"iteration": 5}) is None  # the sidecar's answer (none) wins
-    assert ctx.counters["advice_fallbacks"] == 0
+    ex = _exchange(_SlowSidecar(delivered=True), wait=0.1)
+    assert ex.exchange({"iteration": 5}) is None  # the sidecar's answer (none) wins
+    assert ex.counters["advice_fallbacks"] == 0

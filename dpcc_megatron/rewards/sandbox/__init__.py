@@ -26,16 +26,12 @@ from dataclasses import dataclass, field
 
 from ...config.reward import RemoteSandboxConfig
 from . import isolation
-from .judge import SandboxUnavailable, Session, run_judge, statements
+from .judge import SandboxStop, SandboxUnavailable, Session, run_judge, statements
 from .local import LocalProcess, rlimits
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SandboxLimits", "LocalSandbox", "SandboxUnavailable", "SandboxStop", "build_sandbox"]
-
-
-class SandboxStop(RuntimeError):
-    """The sandbox failed too often in a row (``reward.sandbox.remote.max_failures``): stop the job."""
 
 
 @dataclass(frozen=True)

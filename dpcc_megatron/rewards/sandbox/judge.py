@@ -64,6 +64,10 @@ def _exception(kind: str, message: str) -> BaseException:
     return RemoteError(f"{kind}: {message}")
 
 
+class SandboxStop(RuntimeError):
+    """The sandbox failed too often in a row (``reward.sandbox.remote.max_failures``): stop the job."""
+
+
 class Remote:
     """A solution object that is not plain data; every use is a request to the sandbox."""
 

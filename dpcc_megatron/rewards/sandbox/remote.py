@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 
 from .driver import STARTED
-from .judge import ChannelDead, SandboxUnavailable, Session, run_judge, statements
+from .judge import ChannelDead, SandboxStop, SandboxUnavailable, Session, run_judge, statements
 from .local import DRIVER_SOURCE, rlimits
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,6 @@ class RemoteSandbox:
     """Runs each solution through a SandboxFusion service; the tests run here."""
 
     def __init__(self, limits):
-        from . import SandboxStop
-
         self.limits, self.remote = limits, limits.remote
         if not self.remote.url:
             from ...config.base import ConfigError
