@@ -14,19 +14,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpcc_megatron"
 
-#: Circles known on this branch, each to be broken where it lives; remove an entry once it is.
-KNOWN = {
-    # convert/: the MCore and NeMo 2 checkpoint formats import each other (their split is under way).
-    frozenset({"dpcc_megatron.convert.mcore_format", "dpcc_megatron.convert.nemo_format"}),
-}
+#: Known circles (none today): each entry is one to break where it lives.
+KNOWN: set = set()
 
 
-#: Private names imported across modules on this branch (module, name); remove an entry once it is public.
-KNOWN_PRIVATE = {
-    ("dpcc_megatron.megatron.reference", "_rng_state"),  # megatron/checkpoint.py's RNG state helpers
-    ("dpcc_megatron.megatron.reference", "_set_rng_state"),
-    ("dpcc_megatron.megatron.weight_export", "_layer_offset"),  # megatron/reshard.py
-}
+#: Known private names imported across modules (none today): (module, name) pairs to make public.
+KNOWN_PRIVATE: set = set()
 
 
 def _modules(package: Path) -> dict[str, tuple[Path, bool]]:

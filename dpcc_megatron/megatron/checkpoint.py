@@ -81,7 +81,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool, extra=None) -> dict:
     return state
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     import random
 
     import numpy as np
@@ -98,7 +98,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     import random
 
     import numpy as np
@@ -155,7 +155,7 @@ def save_checkpoint(root: str | Path, iteration: int, chunks, optimizer, schedul
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+    torch.save(rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
     if local_state is not None:
         torch.save(local_state, tmp / "rng" / f"local{_rank()}.pt")
     text = None
@@ -421,5 +421,5 @@ def load_checkpoint(path: str | Path, chunks, optimizer, scheduler, current: dic
         scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank{_rank()}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=False))
     return state

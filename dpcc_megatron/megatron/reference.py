@@ -53,16 +53,16 @@ class ReferencePolicy:
 
         The random initialisation of the new chunks is done under saved-and-restored RNG
         states, so building a reference does not change the run's random stream."""
-        from .checkpoint import _rng_state, _set_rng_state
+        from .checkpoint import rng_state, set_rng_state
         from .model import build_gpt_model
 
-        rng = _rng_state()
+        rng = rng_state()
         try:
             vpp = parallel.virtual_pipeline_model_parallel_size  # the same chunks as build_training_model
             chunks = [build_gpt_model(model, parallel, precision, vp_stage=i if vpp else None)
                       for i in range(len(policy_chunks))]
         finally:
-            _set_rng_state(rng)
+            set_rng_state(rng)
         ref = cls(chunks, offload=False)
         if path:
             from ..convert import load_mcore_checkpoint

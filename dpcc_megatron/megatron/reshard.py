@@ -24,11 +24,11 @@ from typing import Iterable, Optional
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _layer_offset(chunk) -> int:
+def layer_offset(chunk) -> int:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(chunk.config, vp_stage=getattr(chunk, "vp_stage", None))
@@ -61,7 +61,7 @@ def _pad_vocab(full: torch.Tensor, padded: int) -> torch.Tensor:
 
 def global_expert_name(key: str, chunk, ep_rank: int) -> Optional[str]:
     """The name of a local expert parameter under its global expert index (None for any other name)."""
-    m = _LOCAL_EXPERT.match(key)
+    m = LOCAL_EXPERT.match(key)
     if m is None:
         return None
     local = chunk.config.num_moe_experts // chunk.config.expert_model_parallel_size
@@ -90,7 +90,7 @@ def load_full_state_dict(chunks: Iterable[torch.nn.Module], full: dict[str, torc
     ep_rank, etp_rank, etp = _expert_share(chunks)
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         tied = getattr(chunk, "share_embeddings_and_output_weights", False)
         for name, param in chunk.named_parameters():
             key = local_to_global_name(name, offset)
@@ -116,7 +116,7 @@ def local_named_tensors(chunks: Iterable[torch.nn.Module], grads: bool = False) 
     out = {}
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
             if grads:
                 g = getattr(param, "main_grad", None)
@@ -137,7 +137,7 @@ def shard_like(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor],
     chunks = [getattr(c, "module", c) for c in chunks]
     ep_rank, etp_rank, etp = _expert_share(chunks)
     for chunk in chunks:
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
             key = local_to_global_name(name, offset)
             src = "embedding.word_embeddings.weight" if (

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..convert.layout import canonical_name, canonical_to_hf, hf_shapes, unit_of, units
-from .reshard import _LOCAL_EXPERT, _layer_offset, global_expert_name, local_to_global_name
+from .reshard import LOCAL_EXPERT, layer_offset, global_expert_name, local_to_global_name
 
 
 def _size(group) -> int:
@@ -84,14 +84,14 @@ def gather_canonical(chunks, tp_group=None, pp_group=None, etp_group=None) -> Op
         chunk = getattr(chunk, "module", chunk)
         while hasattr(chunk, "module"):
             chunk = chunk.module
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         tied = getattr(chunk, "share_embeddings_and_output_weights", False)
         gated = bool(chunk.config.gated_linear_unit)
         for name, param in chunk.named_parameters():
             key = local_to_global_name(name, offset)
             if key == "output_layer.weight" and tied:
                 continue
-            expert = bool(_LOCAL_EXPERT.match(name))  # gathered over its own TP group, kept on TP rank 0
+            expert = bool(LOCAL_EXPERT.match(name))  # gathered over its own TP group, kept on TP rank 0
             full = _gather_tp(param.detach(), param, name, gated, etp_group if expert else tp_group, everywhere=expert)
             if full is not None and tp_rank == 0:
                 local[canonical_name(key)] = full.cpu()
@@ -198,7 +198,7 @@ def owned_units(chunks) -> list:
     out = []
     for chunk in chunks:
         chunk = _unwrap(chunk)
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         if getattr(chunk, "pre_process", False):
             out.append("embedding")
         experts = chunk.config.num_moe_experts or 0  # a layer's experts live on its stage (some on each EP rank)
@@ -319,7 +319,7 @@ class HFWeightStream:
         ep_rank = dist.get_rank(self.ep_group) if _size(self.ep_group) > 1 else 0
         for chunk in chunks:
             chunk = _unwrap(chunk)
-            offset = _layer_offset(chunk)
+            offset = layer_offset(chunk)
             tied = getattr(chunk, "share_embeddings_and_output_weights", False)
             for name, param in chunk.named_parameters():
                 key = local_to_global_name(name, offset)
@@ -335,7 +335,7 @@ class HFWeightStream:
         own = {p.untyped_storage().data_ptr() for _, _, p, _ in params}
         can = {}
         for name, cname, param, gated in params:
-            group = self.etp_group if _LOCAL_EXPERT.match(name) else self.tp_group  # an expert's own TP
+            group = self.etp_group if LOCAL_EXPERT.match(name) else self.tp_group  # an expert's own TP
             can[cname] = _gather_tp(param.detach(), param, name, gated, group, everywhere=True,
                                     meter=self.meter).cpu()
             self.meter.set("unit", _storage_bytes(can.values(), own))
