@@ -64,6 +64,10 @@ class JobConfig:
         from .model import moe_layout_checks
 
         moe_layout_checks(self.model, self.parallel)
+        check(not self.precision.transformer_engine or (self.model.num_moe_experts is None
+                                                        and not self.model.qk_layernorm),
+              "precision.transformer_engine", "cannot be combined with model.num_moe_experts or "
+              "model.qk_layernorm yet: those models are built with Megatron-Core's local spec only")
         replay = self.rollout.routing_replay
         check(not replay or self.model.num_moe_experts is not None, "rollout.routing_replay",
               "needs a mixture-of-experts model (model.num_moe_experts)")

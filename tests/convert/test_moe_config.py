@@ -98,3 +98,12 @@ def test_model_and_parallel_keys_are_validated():
         check_moe_layout(ModelConfig(num_moe_experts=4), ParallelConfig(tensor_model_parallel_size=2))
     check_moe_layout(ModelConfig(num_moe_experts=4), ParallelConfig(tensor_model_parallel_size=2,
                                                                     sequence_parallel=True, expert_model_parallel_size=4))
+
+
+@pytest.mark.parametrize("model_key", ["model.num_moe_experts=4", "model.qk_layernorm=true"])
+def test_transformer_engine_with_moe_or_qk_norm_is_refused_at_load(model_key):
+    from dpcc_megatron.config import load_config
+
+    with pytest.raises(ConfigError, match=r"precision.transformer_engine.*local spec"):
+        load_config(None, [model_key, "precision.transformer_engine=true"])
+    assert not load_config(None, [model_key]).precision.transformer_engine
