@@ -16,7 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..config import to_dict
-from .optimizers import build_rl_optimizer
+from .optimizers import build_rl_optimizer, total_optimizer_steps
 
 
 @dataclass
@@ -148,7 +148,6 @@ class Checkpoints:
     def resume(self, controller) -> Resumed:
         """Load the latest checkpoint of checkpoint.dir per checkpoint.resume (or start fresh)."""
         from ..megatron.checkpoint import CheckpointError, latest_checkpoint, load_local_state
-        from .trainer_totals import total_optimizer_steps
 
         ctx = self.ctx
         ck = ctx.cfg.checkpoint
@@ -193,7 +192,6 @@ class Checkpoints:
         after the weights were loaded, so its main parameters are theirs) at the saved schedule."""
         if state.get("optimizer_saved") is not False:
             return
-        from .trainer_totals import total_optimizer_steps
 
         build_rl_optimizer(self.ctx, total_optimizer_steps(self.ctx.cfg))
         if state.get("scheduler"):

@@ -5,6 +5,12 @@ import dataclasses
 from typing import Optional
 
 
+def total_optimizer_steps(cfg) -> int:
+    """The run's optimizer steps (the LR schedule's length; the DPCC early phase and the loop read it too)."""
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    return max(1, cfg.train.iterations * cfg.train.inner_epochs * (samples // cfg.train.mini_batch_size))
+
+
 def build_optimizer(ctx, lr: Optional[float] = None):
     """An optimizer over the run's model (``lr``: another constant LR, as the warm-start uses)."""
     from ..megatron.optimizer import build_optimizer as build

@@ -35,14 +35,13 @@ from .evaluate import evaluate_greedy
 from .finish import finish
 from .logging import ConsoleLogger
 from .metrics import build_record
-from .optimizers import build_optimizer, build_rl_optimizer
+from .optimizers import build_optimizer, build_rl_optimizer, total_optimizer_steps
 from .passes import old_logprobs, ref_logprobs, shared_logprob_stats
 from .refit import EngineStop
 from .rollout import RolloutBatch
 from .setup import setup_run
 from .sft import sft_batch
 from .timing import PhaseTimer
-from .trainer_totals import total_optimizer_steps
 from .update import policy_update, probe_drift, probe_samples, sft_update
 
 
