@@ -7,7 +7,8 @@ The same RL job (model, prompts, seeds, G, lengths, optimizer) runs with k = 0 a
 rank, ``--repeats`` times each, interleaved with the order alternating (the machine's load moves
 under other work). Reported per k, as the median over its runs: the mean wall time of the iterations after the first
 (the first includes warm-up, and at k = 1 it samples synchronously: nothing was requested before it),
-the rollout engine's refit time, the final staleness and behaviour KL; and
+the rollout engine's refit time (the mean ``time_refit_s`` over the iterations, 0 in those that
+refitted nothing), the final staleness and behaviour KL; and
 ``async_over_sync_time`` = mean iteration time at k = 1 / at k = 0 (below 1: the overlap pays).
 
 What to expect. With the vLLM engine (its own process) the k = 1 generation of iteration i + 1
@@ -63,7 +64,7 @@ def _one(k: int, args: dict, out: str) -> dict:
     ps.destroy_model_parallel()
     records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     return {"iteration_s": statistics.mean(r["seconds"] for r in records[1:]),
-            "refit_s": statistics.mean(r["rollout_refit_s"] for r in records), "run_s": wall,
+            "refit_s": statistics.mean(r["time_refit_s"] for r in records), "run_s": wall,
             "staleness_last": records[-1].get("staleness_max", 0.0),
             "kl_behaviour_last": records[-1].get("kl_behaviour"), "reward_last": records[-1]["reward_mean"]}
 

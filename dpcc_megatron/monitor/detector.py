@@ -37,7 +37,8 @@ When a record carries the rule track's reward statistics (``reward_base_mean``,
   ``zero_var_frac >= zero_var_frac_max``) for ``reward_collapse_patience`` steps (warning; not
   while the task is being mastered in the sense of ``mastered_reward_gain``).
 - ``sampler_mismatch`` ``mismatch_kl > mismatch_kl_threshold`` for ``kl_window`` batches
-  (warning; off unless the threshold is set).
+  (warning; off unless the threshold is set). Records of stale batches (``staleness_max`` > 0) are
+  not judged: their sampler ran older weights, and ``kl_behaviour`` reports that distance.
 - ``reward_drop``   the mean of the last ``reward_drop_window`` rewards below
   ``(1 - reward_drop_fraction) x`` its best value at a healthy iteration, for
   ``reward_drop_patience`` consecutive iterations, once that best is positive and at least
@@ -535,6 +536,11 @@ class CollapseDetector:
 
     def _rule_mismatch(self, rec: Mapping, it: int) -> Optional[_Hit]:
         c = self.cfg
+        staleness = rec.get("staleness_max")
+        if is_finite(staleness) and staleness > 0:
+            # sampled by older weights: a mismatch_kl there (from a trainer that sends one) measures
+            # staleness, which kl_behaviour reports; the record neither counts nor breaks the window
+            return None
         if not self._consecutive(rec, "mismatch_kl", c.mismatch_kl_threshold):
             return None
         return _Hit("warning", f"sampler/trainer mismatch_kl > {c.mismatch_kl_threshold:g} for "

@@ -24,7 +24,9 @@ RECORD_FIELDS: dict[str, str] = {
                     "kl_ref_estimator is absent",
     "kl_ref": "KL(pi_theta || pi_ref) over the iteration's updates (when a reference model exists)",
     "kl_ref_estimator": "name of the estimator of kl_ref (loss.kl_estimator; sent with kl_ref)",
-    "mismatch_kl": "sampler vs trainer log-prob mismatch (kept separate from policy drift)",
+    "mismatch_kl": ("sampler vs trainer log-prob mismatch, KL(sampler || trainer) (kept separate from policy "
+                    "drift); null for a batch sampled by older weights (rollout.max_staleness >= 1), whose gap "
+                    "is staleness: kl_behaviour"),
     "repetition_rate": "repeated 3-/4-gram share of the sampled responses",
     "longest_repeat": "longest repeated run in any sampled response (tokens)",
     "language_consistency": "share of letters in the dominant expected script",
@@ -33,7 +35,7 @@ RECORD_FIELDS: dict[str, str] = {
     "reward_std": "reward standard deviation",
     "reward_agreement": "agreement of the reward with labelled data (from the reward layer)",
     "grad_norm": "global gradient norm (before clipping)",
-    "tau": "DPCC ratio threshold tau_t of the last step",
+    "tau": "DPCC ratio threshold tau_t of the last step (loss.name dpcc only: a baseline's bound is its fixed clip range)",
     "lr": "current learning rate",
     "lr_factor": "multiplier of the scheduled LR at the last step: drift-aware factor x monitor advice",
     "clip_frac": "fraction of tokens whose ratio was clipped",

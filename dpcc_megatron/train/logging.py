@@ -35,7 +35,8 @@ class ConsoleLogger:
                f"kl({r['kl_estimator']}): {_fmt(r['kl_old_new'], '.5f')} | "
                + (f"drift kl: {_fmt(r['kl_probe'], '.5f')} | " if "kl_probe" in r else "")
                + f"entropy: {_fmt(r.get('entropy'))} | "
-               f"tau: {_fmt(r['tau'], '.3f')} | lr: {_fmt(r['lr'], '.3e')} | lr factor: {_fmt(r['lr_factor'], '.3f')} | "
+               + (f"tau: {_fmt(r['tau'], '.3f')} | " if "tau" in r else "")  # DPCC's tau_t; baselines clip at a constant
+               + f"lr: {_fmt(r['lr'], '.3e')} | lr factor: {_fmt(r['lr_factor'], '.3f')} | "
                f"grad norm: {_fmt(r['grad_norm'])} | clip frac: {_fmt(r['clip_frac'])} | "
                f"sample util: {_fmt(r['sample_utilization'])} | s/iter: {_fmt(r['seconds'], '.2f')} | "
                f"tokens/s: {_fmt(r['tokens_per_s'], '.0f')}"

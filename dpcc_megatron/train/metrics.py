@@ -30,9 +30,19 @@ def sample_utilization(merged: dict) -> float | None:
     return _f(merged.get("utilisation", float("nan")))
 
 
-def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
+STALE_MISMATCH_FIELDS = ("mismatch_kl", "mismatch_max_abs")
+"""Left missing (None) for a batch sampled by older weights: there they would measure staleness."""
+
+
+def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None, on_policy: bool = True) -> dict:
     """Entropy, perplexity and sampler/trainer mismatch (KL(sampler||trainer), importance-weight
-    statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift."""
+    statistics) from the trainer's old-policy forward; mismatch is kept apart from policy drift.
+
+    ``on_policy``: the batch was sampled by the weights the trainer holds (always with
+    ``rollout.max_staleness: 0``). Otherwise the sampler's log-probs come from an older version, so
+    their gap to the trainer's is staleness plus mismatch (``kl_behaviour`` reports it), and
+    ``mismatch_kl`` / ``mismatch_max_abs`` are None; the ``is_weight_*`` statistics then describe the
+    behaviour importance weight pi_prox / pi_b."""
     from ..megatron.precision import mismatch_stats
 
     # The trainer hands these over on the host (train/passes.py); a caller with device outputs
@@ -53,6 +63,8 @@ def logprob_stats(batch, rollouts, old_lp, entropy, tis_cap=None) -> dict:
     except ValueError:  # non-finite log-probs: leave the fields out; the step itself is skipped
         pass
     out["mismatch_max_abs"] = float(((sampler - old_lp) * mask).abs().max()) if mask.any() else 0.0
+    if not on_policy:
+        out.update(dict.fromkeys(STALE_MISMATCH_FIELDS))
     return out
 
 
@@ -119,5 +131,8 @@ def build_record(ctx, iteration, rollouts, rewards, adv_metrics, batch, lp_stats
         rec["entropy_frac"] = entropy_fraction(lp_stats["entropy"], ctx.vocab_size)
     tokens = int(batch.mask.sum()) * ctx.dp
     rec["tokens_per_s"] = tokens / max(seconds, 1e-9)
-    rec.update({k: v for k, v in controller.metrics().items() if not math.isnan(v)})
+    if cfg.loss.name == "dpcc":  # the controller's state: only the DPCC loss and LR read it
+        rec.update({k: v for k, v in controller.metrics().items() if not math.isnan(v)})
+    else:  # a baseline's bound is its fixed clip range; the controller's unused tau_t would mislead
+        del rec["tau"]
     return rec

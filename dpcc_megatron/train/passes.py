@@ -31,14 +31,15 @@ def ref_logprobs(ctx, batch: RLBatch):
     return to_host(lp) if lp is not None else torch.zeros(batch.mask.shape)
 
 
-def shared_logprob_stats(ctx, batch, rollouts, old_lp, entropy) -> dict:
-    """Entropy, perplexity and sampler/trainer mismatch (:func:`.metrics.logprob_stats`), computed on the
-    last pipeline stage and shared with every stage (rank 0 logs them)."""
+def shared_logprob_stats(ctx, batch, rollouts, old_lp, entropy, on_policy: bool = True) -> dict:
+    """Entropy, perplexity and sampler/trainer mismatch (:func:`.metrics.logprob_stats`; ``on_policy``:
+    the batch was sampled by the current weights), computed on the last pipeline stage and shared with
+    every stage (rank 0 logs them)."""
     from megatron.core import parallel_state as ps
 
     from .metrics import logprob_stats
 
-    stats = (logprob_stats(batch, rollouts, old_lp, entropy, ctx.cfg.precision.tis_cap)
+    stats = (logprob_stats(batch, rollouts, old_lp, entropy, ctx.cfg.precision.tis_cap, on_policy)
              if old_lp is not None else None)
     if dist.is_initialized() and dist.get_world_size(ctx.pp_group) > 1:
         box = [stats]

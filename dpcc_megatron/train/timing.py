@@ -12,7 +12,9 @@ Record fields (seconds of wall time on this rank, rank 0's in the log):
 - ``time_refit_s``: the rollout engine's weight refit in this iteration (``engine.last_refit_s``;
   0 where the engine decodes with the training weights, or when no refit ran). The engine reports
   its last refit only: with dynamic sampling each further round refits again, and those refits stay
-  in ``time_rollout_s``;
+  in ``time_rollout_s``. With ``rollout.max_staleness`` >= 1 the pipeline refits the idle engine
+  before it starts the next background generation, inside the rollout phase: counted here the same
+  way. (The one refit field: the record has no other.)
 - ``time_logprobs_s``: the old-policy and reference log-prob passes (``time_logprobs_old_s``,
   ``time_logprobs_ref_s`` each);
 - ``time_update_s``: the inner epochs of optimizer steps, the parameter all-gather and the drift probe;

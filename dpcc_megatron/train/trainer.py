@@ -141,11 +141,11 @@ def _train(ctx: RunContext, summary: dict) -> None:
             ctx.checkpoints.finalize_saves(blocking=False)  # asynchronous checkpoints whose writes finished
         t0 = time.time()
         with engine_stop.at(iteration, "rollouts"):  # a refit that did not take, or a dead engine: save, stop
-            # Refit: the engine takes the weights the last optimizer steps made (only when they changed).
-            # An overlapping pipeline (rollout.max_staleness >= 1 with vLLM) refits it itself, when idle.
-            if not pipeline.overlapping:
-                ctx.weights.refit()
-            with timer.phase("rollout"):
+            with timer.phase("rollout"):  # time_rollout_s is this phase less the refit (train/timing.py)
+                # Refit: the engine takes the weights the last optimizer steps made (only when they changed).
+                # An overlapping pipeline (rollout.max_staleness >= 1 with vLLM) refits it itself, when idle.
+                if not pipeline.overlapping:
+                    ctx.weights.refit()
                 samples = pipeline.take(ctx, iteration)  # with rollout.dynamic_sampling: informative groups only
                 pipeline.submit_ahead(ctx, iteration, cfg.train.iterations)  # max_staleness >= 1: the next rollouts
         if not pipeline.overlapping:  # an engine generating the next rollouts stays awake
@@ -161,7 +161,9 @@ def _train(ctx: RunContext, summary: dict) -> None:
         batch.old_logprobs = old_lp if old_lp is not None else torch.zeros(batch.mask.shape)
         with timer.phase("logprobs_ref"):
             batch.ref_logprobs = ref_logprobs(ctx, batch)  # None without a reference model
-        lp_stats = shared_logprob_stats(ctx, batch, rollouts, old_lp, entropy)
+        # mismatch_kl only where sampler and trainer held the same weights (else it is staleness: kl_behaviour)
+        on_policy = samples.weight_version in (None, iteration)
+        lp_stats = shared_logprob_stats(ctx, batch, rollouts, old_lp, entropy, on_policy)
         staleness = pipeline.staleness_fields(ctx, controller, samples, batch, iteration)  # tells DPCC kl_behaviour
         release_cached_memory(release)  # rollout -> training: the KV caches are gone
 
@@ -202,7 +204,6 @@ def _train(ctx: RunContext, summary: dict) -> None:
         record.update(staleness)
         if ctx.evaluator is not None:  # the evaluation of the weights this iteration sampled with, if one ran
             record.update(ctx.evaluator.record_fields(iteration))
-        record["rollout_refit_s"] = ctx.engine.last_refit_s  # the rollout engine's last weight refit
         record.update(timer.record_fields(ctx.engine))  # collective: peak memory over ranks
         if probe_kl is not None and dpcc_probe:  # DPCC's controller input (after several steps, not one step's KL)
             record["kl_probe"] = probe_kl

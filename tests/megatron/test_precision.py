@@ -263,6 +263,10 @@ def test_mismatch_stats_on_a_perturbed_sampler():
     rec = logprob_stats(batch, Rollouts(), trainer, torch.zeros_like(trainer))
     assert rec["mismatch_kl"] == pytest.approx(st["mismatch_kl"], rel=1e-5)
     assert rec["mismatch_max_abs"] == pytest.approx(float((sampler - trainer)[mask].abs().max()), rel=1e-6)
+    # a stale batch (rollout.max_staleness >= 1, sampled by older weights): the gap is staleness, not mismatch
+    stale = logprob_stats(batch, Rollouts(), trainer, torch.zeros_like(trainer), on_policy=False)
+    assert stale["mismatch_kl"] is None and stale["mismatch_max_abs"] is None
+    assert stale["is_weight_mean"] == rec["is_weight_mean"] and stale["entropy"] == rec["entropy"]
     with pytest.raises(ValueError, match="non-finite"):
         mismatch_stats(trainer, torch.where(mask, float("-inf"), sampler), mask)
     assert mismatch_stats(trainer, sampler, torch.zeros_like(mask))["mismatch_kl"] == 0.0

@@ -191,6 +191,17 @@ def test_kl_threshold_and_window_are_configurable():
     assert rules(run_detector(stream("kl_old_new", [0.4, 0.1, 0.4, 0.5]), cfg)) == [("kl_drift", 3)]
 
 
+def test_sampler_mismatch_fires_on_mismatch_not_on_staleness():
+    cfg = MonitorConfig(mismatch_kl_threshold=0.01, kl_window=2)
+    assert rules(run_detector(stream("mismatch_kl", [0.02, 0.03, 0.0]), cfg)) == [("sampler_mismatch", 1)]
+    # stale batches (a sampler k versions behind): the same numbers are staleness, kl_behaviour's business
+    assert run_detector(stream("mismatch_kl", [0.02, 0.03, 0.04], staleness_max=1.0), cfg) == []
+    # as the trainer sends them: missing while stale, measured on the fresh batches around them
+    recs = stream("mismatch_kl", [0.02, None, None, 0.03], staleness_max=1.0)
+    recs[0]["staleness_max"] = recs[3]["staleness_max"] = 0.0
+    assert rules(run_detector(recs, cfg)) == [("sampler_mismatch", 3)]
+
+
 def test_non_finite_any_field():
     alerts = run_detector([{"iteration": 0, "entropy": 4.0},
                            {"iteration": 1, "entropy": 4.0, "grad_norm": math.inf, "my_loss": math.nan}])

@@ -176,5 +176,8 @@ def test_step_kl_probe_off_leaves_the_fresh_kl_and_changes_no_training(tmp_path)
         runs[probe] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["kl_step_max"] > 1e-6 for r in runs[True])
     assert all(r["kl_step_max"] == pytest.approx(0.0, abs=1e-6) for r in runs[False])
+    for r in runs[True]:  # GRPO runs no DPCC controller: its state is not in the record (lr_factor stays)
+        assert not [k for k in r if k.startswith("dpcc/")] and "tau" not in r and r["lr_factor"] == 1.0
+        assert "rollout_refit_s" not in r and r["time_refit_s"] == 0.0  # one refit field; megatron never refits
     for a, b in zip(runs[True], runs[False]):
         assert (a["reward_mean"], a["grad_norm"], a["entropy"]) == (b["reward_mean"], b["grad_norm"], b["entropy"])
