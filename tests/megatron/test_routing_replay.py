@@ -255,19 +255,19 @@ def _train_rank(rank, world, out):
     routing replay and the Megatron engine; every old-log-prob pass must receive the sampler's routing."""
     from pathlib import Path
 
-    import dpcc_megatron.train.context as context
+    import dpcc_megatron.train.passes as passes
     import dpcc_megatron.train.trainer as trainer
     from dpcc_megatron.config import load_config
 
     seen = []
-    real = context.compute_logprobs
+    real = passes.compute_logprobs
 
     def spy(chunks, batch, **kw):
         seen.append((batch.routing is not None, kw.get("record_routing"),
                      None if batch.routing is None else tuple(batch.routing.shape)))
         return real(chunks, batch, **kw)
 
-    context.compute_logprobs = spy
+    passes.compute_logprobs = spy
     base = {"model.num_layers": 2, "model.hidden_size": 32, "model.ffn_hidden_size": 64,
             "model.num_attention_heads": 4, "model.num_query_groups": 2, "model.vocab_size": 128,
             "model.make_vocab_size_divisible_by": 32, "model.max_seq_len": 32, "model.num_moe_experts": 4,
