@@ -65,26 +65,26 @@ def _swap(obj: Any, old: Any, new: Any) -> Any:
     return obj
 
 
+def spec_nodes(obj):
+    """Every object a layer spec reaches: itself, its dataclass fields, list/tuple items and
+    ``functools.partial`` functions and arguments (megatron-core 0.17+ wraps submodules in partials)."""
+    yield obj
+    if isinstance(obj, functools.partial):
+        children = (obj.func, *obj.args, *obj.keywords.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = tuple(getattr(obj, f.name) for f in dataclasses.fields(obj))
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    else:
+        return
+    for child in children:
+        yield from spec_nodes(child)
+
+
 def uses_torch_norm(spec) -> bool:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    found = []
-
-    def visit(obj):
-        if obj is WrappedTorchNorm:
-            found.append(obj)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                visit(getattr(obj, f.name))
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v)
-        elif isinstance(obj, functools.partial):
-            for v in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(v)
-
-    visit(spec)
-    return bool(found)
+    return any(node is WrappedTorchNorm for node in spec_nodes(spec))
 
 
 def sequence_parallel_local_spec(layer_spec, config, vp_stage: Optional[int] = None):

@@ -18,6 +18,8 @@ Every rank of a model-parallel group calls ``generate`` with the same prompts an
 """
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -84,7 +86,7 @@ class Generation:
             raise ValueError(f"Generation: {n} responses but {len(self.routing)} routing rows")
 
 
-class RefitByVersion:
+class RefitByVersion(abc.ABC):
     """The weight version an engine serves: :meth:`refit_if_stale` refits only when the trainer's version
     moved since the last refit (dynamic-sampling rounds and evaluations between two optimizer steps reuse
     the engine's weights)."""
@@ -92,8 +94,9 @@ class RefitByVersion:
     weight_version: Optional[int] = None
     """The trainer weight version the engine serves (None: none yet, or the last refit failed)."""
 
-    def update_weights(self, chunks) -> None:  # pragma: no cover - every engine defines it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update_weights(self, chunks) -> None:
+        """Load ``chunks``' weights into the engine (collective); each engine defines it."""
 
     def refit(self, chunks, version: int) -> None:
         """Serve ``chunks`` as weight version ``version`` from now on (collective)."""

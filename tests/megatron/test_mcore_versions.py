@@ -5,7 +5,6 @@ live, so each CI leg proves it runs the branch it is there for: `make test` (meg
 the old ones, `make test-latest` (0.19.x) the new ones (docs/install.md). A release that moves a
 branch fails here first, naming it, instead of somewhere deep in a multi-rank test.
 """
-import dataclasses
 import functools
 import inspect
 from importlib.metadata import version
@@ -13,27 +12,14 @@ from importlib.metadata import version
 import pytest
 from packaging.version import Version
 
+from dpcc_megatron.megatron.norms import spec_nodes
+
 MCORE = Version(version("megatron-core"))
 NEW = MCORE >= Version("0.17")  # 0.17 needs Python >= 3.12: only the make test-latest leg has it
 
 
 def _partials(obj):
-    found = []
-
-    def visit(o):
-        if isinstance(o, functools.partial):
-            found.append(o)
-            for v in (o.func, *o.args, *o.keywords.values()):
-                visit(v)
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            for f in dataclasses.fields(o):
-                visit(getattr(o, f.name))
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v)
-
-    visit(obj)
-    return found
+    return [node for node in spec_nodes(obj) if isinstance(node, functools.partial)]
 
 
 def test_supported_release():
